@@ -1,0 +1,44 @@
+"""The one switch between ``ple.reference`` and ``ple.fast``."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from types import ModuleType
+
+import torch
+
+__all__ = ["resolve_backend", "triton_available", "triton_compiled_available"]
+
+BACKENDS = ("reference", "triton", "auto")
+
+
+def triton_available() -> bool:
+    """Triton is importable and can run here: compiled on CUDA, or interpreted with TRITON_INTERPRET=1."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_compiled_available() -> bool:
+    """Triton can run compiled (not interpreted): Triton is installed and a CUDA device is present."""
+    return (importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
+            and os.environ.get("TRITON_INTERPRET") != "1")
+
+
+def resolve_backend(backend: str) -> tuple[str, ModuleType]:
+    """``"reference"``, ``"triton"`` or ``"auto"`` -> (the name picked, its op module)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        backend = "triton" if triton_compiled_available() else "reference"
+    if backend == "triton":
+        if not triton_available():
+            raise ValueError("backend: 'triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 to run "
+                             "the kernels in the interpreter on the CPU)")
+        from . import fast
+
+        return "triton", fast
+    from . import reference
+
+    return "reference", reference

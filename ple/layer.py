@@ -1,0 +1,187 @@
+"""`PLELayer`: the whole layer as an ``nn.Module``, on either backend.
+
+Parameter and buffer names are the model checkpoint's, so the model's layer loads
+with ``load_state_dict(strict=True)``::
+
+    ple_embedding.ngram_embedding.weight   [rows, D]
+    ple_embedding.layer_multipliers        [N]   int64
+    ple_embedding.ngram_heads_vocab_sizes  [NH]  int64
+    ple_embedding.ngram_heads_offsets      [NH]  int64
+    key_proj.weight                        [C, E]
+    value_proj.weight                      [H, E]
+    norm_key.weight / norm_query.weight / norm_conv.weight   [C]
+    conv1d.weight                          [C, 1, K]
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import _checks
+from .backends import resolve_backend
+from .config import PLEConfig
+from .reference.hashing import HashParams, hash_params
+
+__all__ = ["PLELayer", "GroupedRMSNorm", "NGramEmbedding"]
+
+
+class GroupedRMSNorm(nn.Module):
+    """Holds the weight of one grouped RMS norm (``[C]``, starts at zero: scale ``1 + w``)."""
+
+    def __init__(self, channels: int, group_size: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.group_size = group_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(channels, device=device, dtype=dtype))
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, group_size={self.group_size}, eps={self.eps}"
+
+
+class NGramEmbedding(nn.Module):
+    """The hashed n-gram table of one PLE layer and its hash parameters as int64 buffers."""
+
+    def __init__(self, config: PLEConfig, ple_layer_index: int, device=None, dtype=None):
+        super().__init__()
+        params = hash_params(config, ple_layer_index)
+        self.ngram_embedding = nn.Embedding(params.num_rows, config.ngram_head_dim, device=device, dtype=dtype)
+        self.register_buffer("layer_multipliers", params.multipliers.to(device))
+        self.register_buffer("ngram_heads_vocab_sizes", params.head_sizes.to(device))
+        self.register_buffer("ngram_heads_offsets", params.head_offsets.to(device))
+        self.vocab_size = config.vocab_size
+
+    def hash_params(self) -> HashParams:
+        """The hash parameters as stored in this module's buffers (so loaded buffers are what is used)."""
+        return HashParams(self.layer_multipliers, self.ngram_heads_vocab_sizes, self.ngram_heads_offsets,
+                          self.ngram_embedding.weight.shape[0], self.vocab_size)
+
+
+class PLELayer(nn.Module):
+    """The hashed n-gram embedding layer of Qwen4Exp.
+
+    ``layer(hidden_states, input_ids, attention_mask=None)`` runs whole sequences
+    (training, evaluation) and returns ``hidden_states + gated + conv``;
+    ``layer.step(hidden_states, batch, cache)`` runs one serving step against a
+    ``ple.state.PLECache``.
+
+    ``backend`` picks the ops: ``"reference"`` (``ple.reference``), ``"triton"``
+    (``ple.fast``) or ``"auto"`` (Triton where it runs compiled, i.e. on CUDA with
+    Triton installed; the reference elsewhere). ``layer.backend`` says which was
+    picked; it can be changed later with ``layer.set_backend``.
+
+    Initialisation follows the model: the table is normal(0, 1), the projections
+    use ``nn.Linear``'s default, the three norms and the conv start at zero.
+    """
+
+    def __init__(self, config: PLEConfig, ple_layer_index: int = 0, *, backend: str = "reference",
+                 device=None, dtype=None):
+        super().__init__()
+        if not isinstance(config, PLEConfig):
+            raise TypeError(f"config: expected a PLEConfig, got {type(config).__name__}")
+        _checks.int_arg("ple_layer_index", ple_layer_index, minimum=0)
+        if ple_layer_index >= config.num_ple_layers:
+            raise ValueError(f"ple_layer_index: the config has {config.num_ple_layers} PLE layer(s) "
+                             f"(ple_layer_ids={list(config.ple_layer_ids)}), got index {ple_layer_index}")
+        self.config = config
+        self.ple_layer_index = ple_layer_index
+        C, H, E, K = config.hc_hidden_size, config.hidden_size, config.ple_embed_dim, config.ple_conv_kernel_size
+        kw = dict(device=device, dtype=dtype)
+        self.ple_embedding = NGramEmbedding(config, ple_layer_index, **kw)
+        self.key_proj = nn.Linear(E, C, bias=False, **kw)
+        self.value_proj = nn.Linear(E, H, bias=False, **kw)
+        self.norm_key = GroupedRMSNorm(C, H, config.rms_norm_eps, **kw)
+        self.norm_query = GroupedRMSNorm(C, H, config.rms_norm_eps, **kw)
+        self.norm_conv = GroupedRMSNorm(C, H, config.rms_norm_eps, **kw)
+        self.conv1d = nn.Conv1d(C, C, K, groups=C, dilation=config.conv_dilation, bias=False, **kw)
+        nn.init.zeros_(self.conv1d.weight)
+        self.set_backend(backend)
+
+    # ---- backend -------------------------------------------------------------------------------
+    def set_backend(self, backend: str) -> None:
+        """Switch the ops this layer runs on (see the class docstring)."""
+        self.backend, self._ops = resolve_backend(backend)
+
+    @property
+    def ops(self) -> ModuleType:
+        """The op module in use: ``ple.reference`` or ``ple.fast``."""
+        return self._ops
+
+    # ---- pieces shared by forward and step -----------------------------------------------------
+    def _check_hidden(self, hidden_states: torch.Tensor, ndim: int) -> None:
+        C = self.config.hc_hidden_size
+        shape = (None,) * (ndim - 1) + (C,)
+        _checks.tensor("hidden_states", hidden_states, ndim=ndim, kind="float",
+                       device=self.key_proj.weight.device, shape=shape)
+        if hidden_states.dtype != self.key_proj.weight.dtype:
+            raise TypeError(f"hidden_states: expected the layer's dtype {self.key_proj.weight.dtype}, "
+                            f"got {hidden_states.dtype}")
+
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows of the table for hash ids ``[T, NH]``, concatenated: ``[T, E]`` in ``dtype``."""
+        return self._ops.embedding_lookup(self.ple_embedding.ngram_embedding.weight, ids).to(dtype)
+
+    def gate(self, embeddings: torch.Tensor, hidden_states: torch.Tensor):
+        """Project ``[T, E]`` embeddings to key and value and gate them: ``(gated, conv_input)``."""
+        key = F.linear(embeddings, self.key_proj.weight)          # [T, C]
+        value = F.linear(embeddings, self.value_proj.weight)      # [T, H]
+        return self._ops.ple_gate(key, value, hidden_states, self.norm_key.weight, self.norm_query.weight,
+                                  self.norm_conv.weight, self.config.rms_norm_eps)
+
+    @property
+    def conv_weights(self) -> torch.Tensor:
+        """``conv1d.weight`` as the ``[C, K]`` the functional ops take."""
+        return self.conv1d.weight[:, 0, :]
+
+    # ---- whole sequences -----------------------------------------------------------------------
+    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``[B, L, C]`` hidden states and ``[B, L]`` token ids -> ``[B, L, C]``.
+
+        Every row is a whole sequence from its start. Where ``attention_mask`` is 0 the
+        token hashes as EOS and its gated value and conv input are zeroed before the
+        convolution (so left or right padding does not leak into real tokens).
+        """
+        self._check_hidden(hidden_states, 3)
+        B, L, C = hidden_states.shape  # batch, length, channels (hc_count * hidden_size)
+        dev = hidden_states.device
+        _checks.tensor("input_ids", input_ids, kind="anyint", device=dev, shape=(B, L))
+        eos = self.config.eos_token_id
+        keep = None
+        if attention_mask is not None:
+            _checks.tensor("attention_mask", attention_mask, device=dev, shape=(B, L))
+            if attention_mask.dtype.is_floating_point:
+                raise TypeError(f"attention_mask: expected a bool or integer tensor, got {attention_mask.dtype}")
+            keep = attention_mask.bool()
+            input_ids = torch.where(keep, input_ids, torch.full_like(input_ids, eos))
+        query_start_loc = torch.arange(B + 1, device=dev, dtype=torch.int64) * L
+        ids = self._ops.ngram_ids(input_ids.reshape(B * L), self.ple_embedding.hash_params(),
+                                  heads_per_ngram=self.config.heads_per_ngram, eos_token_id=eos,
+                                  query_start_loc=query_start_loc)
+        emb = self.embed(ids, hidden_states.dtype)                 # [B*L, E]
+        gated, conv_input = self.gate(emb, hidden_states.reshape(B * L, C))
+        if keep is not None:
+            mask = keep.reshape(B * L, 1).to(gated.dtype)
+            gated, conv_input = gated * mask, conv_input * mask
+        y = self._ops.dilated_causal_conv(conv_input.reshape(B, L, C), self.conv_weights,
+                                          dilation=self.config.conv_dilation)
+        return (gated.reshape(B, L, C) + y) + hidden_states
+
+    # ---- serving -------------------------------------------------------------------------------
+    def step(self, hidden_states: torch.Tensor, batch, cache) -> torch.Tensor:
+        """One serving step: ``[T, C]`` rows of ``batch`` (from ``cache.schedule``) -> ``[T, C]``.
+
+        See ``ple.state`` for the cache; the outputs equal ``forward`` over each
+        request's whole accepted sequence.
+        """
+        from .state.step import layer_step
+
+        return layer_step(self, hidden_states, batch, cache)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"ple_layer_index={self.ple_layer_index}, backend={self.backend!r}, C={c.hc_hidden_size}, "
+                f"E={c.ple_embed_dim}, NH={c.num_ngram_heads}, K={c.ple_conv_kernel_size}, d={c.conv_dilation}")

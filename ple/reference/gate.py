@@ -1,0 +1,81 @@
+"""Grouped RMS norms and the signed-sqrt gate (SPEC section 4).
+
+Each elementwise op is rounded to the model dtype where the model rounds it, so a
+bfloat16 run of this reference is the model's bfloat16 numerics; reductions run
+in float32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from einops import rearrange
+
+from .. import _checks
+
+__all__ = ["grouped_rms_norm", "ple_gate", "GATE_CLAMP", "acc_dtype"]
+
+GATE_CLAMP = 1e-6
+"""``|s|`` is clamped to this before the square root, so the gate's slope stays finite at 0."""
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype reductions run in: float32, or float64 for float64 inputs (gradcheck)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+    """RMS-normalise each group of ``group_size`` channels, scale by ``1 + weight``, in float32.
+
+    ``x`` is ``[..., C]``, ``weight`` ``[C]``; the result has ``x``'s dtype.
+    """
+    acc = acc_dtype(x.dtype)
+    xf = rearrange(x.to(acc), "... (g h) -> ... g h", h=group_size)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = rearrange(y, "... g h -> ... (g h)") * (1.0 + weight.to(acc))
+    return y.to(x.dtype)
+
+
+def check_gate_args(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps):
+    _checks.tensor("key", key, ndim=2, kind="float")
+    T, C = key.shape
+    dev, dt = key.device, key.dtype
+    _checks.tensor("value", value, ndim=2, kind="float", device=dev)
+    if value.shape[0] != T or value.shape[1] == 0 or C % value.shape[1] != 0:
+        raise ValueError(f"value: expected shape ({T}, H) with H dividing C={C}, got {tuple(value.shape)}")
+    _checks.tensor("hidden_states", hidden_states, kind="float", device=dev, shape=(T, C))
+    for name, t in (("value", value), ("hidden_states", hidden_states)):
+        if t.dtype != dt:
+            raise TypeError(f"{name}: expected dtype {dt} (that of key), got {t.dtype}")
+    for name, w in (("norm_key_weight", norm_key_weight), ("norm_query_weight", norm_query_weight),
+                    ("norm_conv_weight", norm_conv_weight)):
+        _checks.tensor(name, w, kind="float", device=dev, shape=(C,))
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps: expected a positive float, got {eps!r}")
+
+
+def ple_gate(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor,
+             norm_key_weight: torch.Tensor, norm_query_weight: torch.Tensor,
+             norm_conv_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gate the value by how well each stream's key agrees with its hidden state.
+
+    Shapes: ``key`` and ``hidden_states`` ``[T, C]``, ``value`` ``[T, H]`` with
+    ``C = M * H``, norm weights ``[C]``. Returns ``(gated, conv_input)``, both
+    ``[T, C]`` in the input dtype: ``gated[:, m] = g[m] * value`` and
+    ``conv_input = norm_conv(gated)``, with ``g[m] = sigmoid(sign(s) sqrt(max(|s|, 1e-6)))``
+    and ``s[m] = <norm_key(key)[m], norm_query(hidden)[m]> / sqrt(H)``.
+    """
+    check_gate_args(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps)
+    T, C = key.shape
+    H = value.shape[1]
+    dt = key.dtype
+    kn = rearrange(grouped_rms_norm(key, norm_key_weight, H, eps), "t (m h) -> t m h", h=H)
+    qn = rearrange(grouped_rms_norm(hidden_states, norm_query_weight, H, eps), "t (m h) -> t m h", h=H)
+    s = (kn * qn).sum(-1, dtype=acc_dtype(dt)).to(dt)          # [T, M]; product rounded, sum in fp32
+    s = s / math.sqrt(H)
+    mag = s.abs().clamp_min(GATE_CLAMP).sqrt()
+    g = torch.sigmoid(mag * s.sign())
+    gated = rearrange(g[:, :, None] * value[:, None, :], "t m h -> t (m h)")
+    conv_input = grouped_rms_norm(gated, norm_conv_weight, H, eps)
+    return gated, conv_input

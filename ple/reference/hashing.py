@@ -1,0 +1,205 @@
+"""Hash parameters and n-gram ids (SPEC sections 2 and 3), in plain Python and PyTorch.
+
+A token's n-gram of order n is its window of the last n tokens; the window is
+hashed by XOR-ing ``token * multiplier`` products and taken modulo one prime per
+hash head. The multipliers are odd and small enough that ``token * m < 2**63`` for
+every token id below ``vocab_size``, so the products never overflow int64.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from .. import _checks
+from ..config import PLEConfig
+
+__all__ = ["HashParams", "hash_params", "splitmix64", "primes_from", "ngram_ids"]
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_LAYER_STRIDE = 10007
+
+
+def splitmix64(x: int) -> int:
+    """One step of SplitMix64 on an unsigned 64-bit integer (Python int in, Python int out)."""
+    z = (x + _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _is_prime(n: int) -> bool:
+    """Deterministic Miller-Rabin for n < 3.3e24 (these bases suffice)."""
+    if n < 2:
+        return False
+    small = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41)
+    for p in small:
+        if n % p == 0:
+            return n == p
+    d, r = n - 1, 0
+    while d % 2 == 0:
+        d, r = d // 2, r + 1
+    for a in small:
+        x = pow(a, d, n)
+        if x in (1, n - 1):
+            continue
+        for _ in range(r - 1):
+            x = x * x % n
+            if x == n - 1:
+                break
+        else:
+            return False
+    return True
+
+
+@functools.lru_cache(maxsize=64)
+def primes_from(start: int, count: int) -> tuple[int, ...]:
+    """The first ``count`` primes ``>= start``, in increasing order."""
+    out = []
+    n = start
+    while len(out) < count:
+        if _is_prime(n):
+            out.append(n)
+        n += 1
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class HashParams:
+    """Everything the hash of one PLE layer needs.
+
+    ``multipliers`` is int64 ``[N]``; ``head_sizes`` and ``head_offsets`` are int64
+    ``[NH]``; ``num_rows`` is the table's row count (padded); ``vocab_size`` is V.
+    """
+
+    multipliers: torch.Tensor
+    head_sizes: torch.Tensor
+    head_offsets: torch.Tensor
+    num_rows: int
+    vocab_size: int
+
+    @property
+    def ngram_size(self) -> int:
+        return self.multipliers.numel()
+
+    def to(self, device) -> HashParams:
+        return HashParams(self.multipliers.to(device), self.head_sizes.to(device),
+                          self.head_offsets.to(device), self.num_rows, self.vocab_size)
+
+
+def layer_multipliers(vocab_size: int, ngram_size: int, seed: int, ple_layer_index: int) -> list[int]:
+    """SPEC section 2: odd multipliers with ``token * m < 2**63`` for tokens below ``vocab_size``."""
+    half = max(1, ((2**63 - 1) // max(vocab_size, 1)) // 2)
+    base = seed + _LAYER_STRIDE * ple_layer_index
+    return [2 * (splitmix64((base + _GOLDEN * (i + 1)) & _MASK64) % half) + 1 for i in range(ngram_size)]
+
+
+def hash_params(config: PLEConfig, ple_layer_index: int) -> HashParams:
+    """Multipliers, head table sizes and offsets of PLE layer ``ple_layer_index`` (0-based PLE index)."""
+    if not isinstance(config, PLEConfig):
+        raise TypeError(f"config: expected a PLEConfig, got {type(config).__name__}")
+    _checks.int_arg("ple_layer_index", ple_layer_index, minimum=0)
+    NH = config.num_ngram_heads
+    mult = layer_multipliers(config.vocab_size, config.ngram_size, config.seed, ple_layer_index)
+    # Layer L takes the NH consecutive primes after the first L * NH primes >= base.
+    sizes = primes_from(config.ngram_vocab_size_base, (ple_layer_index + 1) * NH)[ple_layer_index * NH:]
+    offsets, total = [], 0
+    for s in sizes:
+        offsets.append(total)
+        total += s
+    div = config.make_ngram_vocab_size_divisible_by
+    num_rows = -(-total // div) * div
+    return HashParams(
+        multipliers=torch.tensor(mult, dtype=torch.int64),
+        head_sizes=torch.tensor(sizes, dtype=torch.int64),
+        head_offsets=torch.tensor(offsets, dtype=torch.int64),
+        num_rows=num_rows,
+        vocab_size=config.vocab_size,
+    )
+
+
+def check_ngram_args(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context):
+    """Validate ``ngram_ids`` arguments (shared with ``ple.fast``); returns (R, lengths on host)."""
+    _checks.tensor("input_ids", input_ids, ndim=1, kind="anyint")
+    if not isinstance(params, HashParams):
+        raise TypeError(f"params: expected HashParams, got {type(params).__name__}")
+    N = params.multipliers.numel()
+    _checks.int_arg("heads_per_ngram", heads_per_ngram, minimum=1)
+    if params.head_sizes.numel() != (N - 1) * heads_per_ngram:
+        raise ValueError(f"heads_per_ngram: {heads_per_ngram} heads per order and {N} multipliers need "
+                         f"{(N - 1) * heads_per_ngram} head sizes, params has {params.head_sizes.numel()}")
+    V = params.vocab_size
+    _checks.int_arg("eos_token_id", eos_token_id)
+    if not 0 <= eos_token_id < V:
+        raise ValueError(f"eos_token_id: expected an id in [0, {V}), got {eos_token_id}")
+    T = input_ids.numel()
+    dev = input_ids.device
+    if query_start_loc is None:
+        starts = [0, T]
+    else:
+        starts = _checks.offsets_arg("query_start_loc", query_start_loc, total=T, device=dev)
+    R = len(starts) - 1
+    if ngram_context is not None:
+        _checks.tensor("ngram_context", ngram_context, ndim=2, kind="anyint", device=dev, shape=(R, N - 1))
+        if ngram_context.numel() and (int(ngram_context.min()) < 0 or int(ngram_context.max()) >= V):
+            raise ValueError(f"ngram_context: token ids must lie in [0, {V})")
+    if T and (int(input_ids.min()) < 0 or int(input_ids.max()) >= V):
+        raise ValueError(f"input_ids: token ids must lie in [0, {V}), got min {int(input_ids.min())} "
+                         f"and max {int(input_ids.max())}")
+    return R, starts
+
+
+def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: int, eos_token_id: int,
+              query_start_loc: torch.Tensor | None = None,
+              ngram_context: torch.Tensor | None = None) -> torch.Tensor:
+    """Table rows of every token's NH hash heads: ``[T, NH]`` int64.
+
+    ``input_ids`` is ``[T]``: the tokens of R requests laid end to end, cut by
+    ``query_start_loc`` (``[R+1]``; default: one request). ``ngram_context``
+    (``[R, N-1]``, oldest first; default: all EOS, i.e. every request starts its
+    sequence) holds the tokens before each request's first token, so a chunk's ids
+    equal those of the same tokens hashed within the whole sequence.
+    """
+    R, starts = check_ngram_args(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc,
+                                 ngram_context)
+    dev = input_ids.device
+    N = params.multipliers.numel()
+    T = input_ids.numel()
+    ids = input_ids.to(torch.int64)
+    if ngram_context is None:
+        ctx = torch.full((R, N - 1), eos_token_id, dtype=torch.int64, device=dev)
+    else:
+        ctx = ngram_context.to(torch.int64)
+
+    lens = torch.tensor([b - a for a, b in zip(starts, starts[1:])], device=dev)
+    req = torch.repeat_interleave(torch.arange(R, device=dev), lens)                    # [T] request of a token
+    pos = torch.arange(T, device=dev) - torch.tensor(starts[:-1], device=dev, dtype=torch.int64)[req]
+
+    # back[k][t] is the token k positions before token t: inside the chunk, or in its context.
+    back = [ids]
+    for k in range(1, N):
+        in_chunk = pos >= k
+        from_chunk = ids[(torch.arange(T, device=dev) - k).clamp(min=0)]
+        from_ctx = ctx[req, (N - 1 + pos - k).clamp(0, N - 2)] if R else from_chunk
+        back.append(torch.where(in_chunk, from_chunk, from_ctx))
+
+    # EOS rule: once a step back reaches an EOS, every older entry is EOS (the EOS itself is kept).
+    window = [back[0]]
+    seen_eos = torch.zeros(T, dtype=torch.bool, device=dev)
+    for k in range(1, N):
+        window.append(torch.where(seen_eos, torch.full_like(back[k], eos_token_id), back[k]))
+        seen_eos = seen_eos | (back[k] == eos_token_id)
+
+    m = params.multipliers.to(dev)
+    sizes, offsets = params.head_sizes.to(dev), params.head_offsets.to(dev)
+    P = heads_per_ngram
+    mix = window[0] * m[0]
+    blocks = []
+    for n in range(2, N + 1):
+        mix = mix ^ (window[n - 1] * m[n - 1])
+        heads = slice((n - 2) * P, (n - 1) * P)
+        blocks.append(mix[:, None] % sizes[heads] + offsets[heads])
+    return torch.cat(blocks, dim=1)
