@@ -1,0 +1,14 @@
+"""Serving state: per-request conv-state caches, n-gram contexts and the step scheduler.
+
+>>> cache = PLECache(config, num_slots=8, num_spec_tokens=3)
+>>> a = cache.allocate()
+>>> batch = cache.schedule([Prefill(a, prompt)])
+>>> out = layer.step(hidden_states, batch, cache)       # [T, C]
+>>> batch = cache.schedule([Spec(a, [t0, t1, t2])]); out = layer.step(h, batch, cache)
+>>> cache.accept(a, 2)                                   # keep the first two
+"""
+
+from .cache import LAYOUTS, PLECache, StepBatch
+from .items import Decode, Prefill, Spec
+
+__all__ = ["PLECache", "StepBatch", "Prefill", "Decode", "Spec", "LAYOUTS"]

@@ -1,0 +1,443 @@
+"""`PLECache`: per-request conv states and n-gram contexts, and the step scheduler.
+
+A serving engine keeps, for every live request, the last S conv inputs of every
+PLE layer (the *conv state*) and the last N-1 accepted tokens (the *n-gram
+context*). `PLECache` holds both in slots, hands slots out (`allocate` / `free`),
+and turns a list of `Prefill` / `Decode` / `Spec` items into a `StepBatch`: the
+metadata a step needs, laid out as a serving engine lays it out (spec rows and
+non-spec rows, decodes before prefills, ``token_indices`` into the caller's row
+order). `PLELayer.step` consumes the batch; when the layer with the last PLE
+index has run, the cache's bookkeeping advances.
+
+Slot 0 is the null slot: never handed out, never read or written. A cache of
+``num_slots`` slots therefore serves ``num_slots - 1`` requests at once.
+
+Bookkeeping that a spec step leaves behind: the request's state holds the
+windows ending at each token of the step (SPEC section 6); ``accept(slot, n)``
+keeps the first n tokens (default: all), and the next step reads the window of
+the last kept token. A request that goes from spec steps back to prefill or
+decode has that window moved to columns ``[0, S)`` at the start of its next step
+("realigned"), since those modes read there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import _checks
+from ..config import PLEConfig
+from .items import Decode, Prefill, Spec, as_token_list
+
+__all__ = ["PLECache", "StepBatch", "LAYOUTS"]
+
+LAYOUTS = ("channels_first", "channels_last")
+_INDEX = torch.int32  # index tensors of a batch, as serving engines keep them
+
+
+@dataclass
+class _Slot:
+    """Host-side bookkeeping of one slot."""
+
+    active: bool = False
+    started: bool = False                # has any token been appended (by a prefill)?
+    length: int = 0                      # accepted tokens so far
+    context: list = field(default_factory=list)   # the last N-1 accepted tokens, oldest first
+    num_accepted: int = 1                # the window the next step reads: columns [n-1, n-1+S)
+    spec_tokens: list | None = None      # tokens of the last step if it was a spec step
+    spec_context: list | None = None     # the context before that spec step
+
+
+@dataclass
+class StepBatch:
+    """Everything one step needs, built by `PLECache.schedule`. Rows are in the caller's order.
+
+    Index tensors live on the cache's device (int32, as serving engines keep them);
+    ``*_host`` fields are the same values as Python lists, for the bookkeeping.
+    """
+
+    num_tokens: int
+    input_ids: torch.Tensor              # [T] int64, the step's tokens in row order
+    query_start_loc: torch.Tensor        # [R+1], every item in caller order (for hashing)
+    ngram_context: torch.Tensor          # [R, N-1] int64, each item's context
+    # spec rows
+    num_spec_decodes: int
+    num_spec_tokens: int
+    spec_token_indices: torch.Tensor     # [T_spec] physical rows of the spec items, item by item
+    spec_query_start_loc: torch.Tensor   # [R_spec+1]
+    spec_state_indices: torch.Tensor     # [R_spec]
+    num_accepted_tokens: torch.Tensor    # [R_spec]
+    spec_query_len: int                  # the most rows a spec item may have: num_spec_tokens + 1
+    # non-spec rows: decodes first, then prefills
+    num_decodes: int
+    num_decode_tokens: int
+    num_prefills: int
+    num_prefill_tokens: int
+    non_spec_token_indices: torch.Tensor  # [T_d + T_p]
+    state_indices: torch.Tensor          # [R_d + R_p]
+    has_initial_states_d: torch.Tensor   # [R_d] bool
+    has_initial_states_p: torch.Tensor   # [R_p] bool
+    query_start_loc_p: torch.Tensor      # [R_p+1], over the prefill rows
+    non_spec_query_start_loc: torch.Tensor  # [R_d + R_p + 1]
+    # prefix-cache checkpoints of the prefills (offset 0 = none)
+    checkpoint_offsets: torch.Tensor     # [R_p]
+    checkpoint_slots: torch.Tensor       # [R_p]
+    has_checkpoints: bool
+    # non-spec requests whose window must move to columns [0, S) first: (slot, column offset)
+    realign: list
+    # host copies for the bookkeeping
+    items: list
+    tokens_host: list
+    version: int
+    layers_done: set = field(default_factory=set)
+
+
+class PLECache:
+    """Conv states of every PLE layer and the n-gram context of every slot.
+
+    ``conv_states`` is ``[num_layers, num_slots, C, S + num_spec_tokens]`` with the
+    default ``layout="channels_first"``, or ``[num_layers, num_slots, W, C]`` with
+    ``layout="channels_last"``; ``conv_state(i)`` is always the ``[num_slots, C, W]``
+    view the ops take. ``dtype`` defaults to the torch default dtype; inputs are
+    stored in it.
+    """
+
+    def __init__(self, config: PLEConfig, num_slots: int, *, num_spec_tokens: int = 0, num_layers: int = 1,
+                 dtype: torch.dtype | None = None, device=None, layout: str = "channels_first"):
+        if not isinstance(config, PLEConfig):
+            raise TypeError(f"config: expected a PLEConfig, got {type(config).__name__}")
+        _checks.int_arg("num_slots", num_slots, minimum=2)
+        _checks.int_arg("num_spec_tokens", num_spec_tokens, minimum=0)
+        _checks.int_arg("num_layers", num_layers, minimum=1)
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
+        dtype = dtype or torch.get_default_dtype()
+        if not dtype.is_floating_point:
+            raise TypeError(f"dtype: expected a floating-point dtype, got {dtype}")
+        self.config = config
+        self.num_slots = num_slots
+        self.num_spec_tokens = num_spec_tokens
+        self.num_layers = num_layers
+        self.layout = layout
+        self.null_slot = 0
+        self.state_len = config.conv_state_len
+        self.width = config.conv_state_len + num_spec_tokens
+        C = config.hc_hidden_size
+        shape = (num_layers, num_slots, C, self.width) if layout == "channels_first" else \
+            (num_layers, num_slots, self.width, C)
+        self.conv_states = torch.zeros(shape, dtype=dtype, device=device)
+        self._slots = [_Slot() for _ in range(num_slots)]
+        self._version = 0
+        self._in_flight: StepBatch | None = None
+
+    # ---- views ---------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.conv_states.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.conv_states.dtype
+
+    def conv_state(self, layer: int) -> torch.Tensor:
+        """The ``[num_slots, C, W]`` conv state of PLE layer ``layer`` (a view; strided in channels_last)."""
+        _checks.int_arg("layer", layer, minimum=0)
+        if layer >= self.num_layers:
+            raise ValueError(f"layer: the cache holds {self.num_layers} PLE layer(s), got {layer}")
+        s = self.conv_states[layer]
+        return s if self.layout == "channels_first" else s.transpose(1, 2)
+
+    def context(self, slot: int) -> list[int]:
+        """The n-gram context the next step of ``slot`` will hash with (N-1 tokens, oldest first)."""
+        return list(self._live(slot, "slot").context)
+
+    def length(self, slot: int) -> int:
+        """Accepted tokens of the request in ``slot``."""
+        return self._live(slot, "slot").length
+
+    @property
+    def contexts(self) -> torch.Tensor:
+        """``[num_slots, N-1]`` int64: every slot's context (EOS for free slots)."""
+        eos = self.config.eos_token_id
+        rows = [s.context if s.active else [eos] * self.config.context_len for s in self._slots]
+        return torch.tensor(rows, dtype=torch.int64).reshape(self.num_slots, self.config.context_len)
+
+    @property
+    def free_slots(self) -> int:
+        return sum(not s.active for s in self._slots[1:])
+
+    def active_slots(self) -> list[int]:
+        return [i for i, s in enumerate(self._slots) if s.active]
+
+    # ---- slots ---------------------------------------------------------------------------------
+    def allocate(self) -> int:
+        """Hand out a free slot (never the null slot 0); its state and context start fresh."""
+        self._not_in_flight("allocate")
+        for i in range(1, self.num_slots):
+            if not self._slots[i].active:
+                self._reset(i)
+                self._slots[i].active = True
+                return i
+        raise RuntimeError(f"PLECache is full: all {self.num_slots - 1} slots are in use "
+                           f"(slot 0 is the null slot)")
+
+    def free(self, slot: int) -> None:
+        """Release ``slot``; its state and context are cleared."""
+        self._not_in_flight("free")
+        self._live(slot, "slot")
+        self._reset(slot)
+
+    def fork(self, slot: int) -> int:
+        """A new slot holding a copy of ``slot``'s request (state of every layer, context, bookkeeping).
+
+        With a checkpoint slot this restores a cached prefix for a new request.
+        """
+        self._not_in_flight("fork")
+        src = self._live(slot, "slot")
+        new = self.allocate()
+        self.conv_states[:, new].copy_(self.conv_states[:, slot])
+        dst = self._slots[new]
+        dst.started, dst.length, dst.context = src.started, src.length, list(src.context)
+        dst.num_accepted = src.num_accepted
+        dst.spec_tokens = None if src.spec_tokens is None else list(src.spec_tokens)
+        dst.spec_context = None if src.spec_context is None else list(src.spec_context)
+        return new
+
+    def accept(self, slot: int, n: int) -> None:
+        """After a spec step of ``slot``: keep its first ``n`` tokens (1..tokens of that step)."""
+        self._not_in_flight("accept")
+        s = self._live(slot, "slot")
+        _checks.int_arg("n", n)
+        if s.spec_tokens is None:
+            raise ValueError(f"slot: slot {slot}'s last step was not a spec step; nothing to accept")
+        q = len(s.spec_tokens)
+        if not 1 <= n <= q:
+            raise ValueError(f"n: expected 1..{q} (the tokens of slot {slot}'s last spec step), got {n}")
+        s.length += n - s.num_accepted
+        s.num_accepted = n
+        s.context = self._roll(s.spec_context, s.spec_tokens[:n])
+
+    def _reset(self, slot: int) -> None:
+        self.conv_states[:, slot].zero_()
+        self._slots[slot] = _Slot(context=[self.config.eos_token_id] * self.config.context_len)
+
+    def _live(self, slot, name: str) -> _Slot:
+        if isinstance(slot, bool) or not isinstance(slot, int):
+            raise TypeError(f"{name}: expected an int slot, got {type(slot).__name__}")
+        if slot == self.null_slot:
+            raise ValueError(f"{name}: slot 0 is the null slot and never holds a request")
+        if not 0 < slot < self.num_slots:
+            raise ValueError(f"{name}: unknown slot {slot}; the cache has slots 1..{self.num_slots - 1}")
+        if not self._slots[slot].active:
+            raise ValueError(f"{name}: slot {slot} is not allocated (freed, or never allocated)")
+        return self._slots[slot]
+
+    def _not_in_flight(self, what: str) -> None:
+        if self._in_flight is not None:
+            done, total = len(self._in_flight.layers_done), self.num_layers
+            raise RuntimeError(f"{what}: a step is in flight ({done} of {total} PLE layers have run); "
+                               f"run the remaining layers first")
+
+    def _roll(self, context: list, tokens: list) -> list:
+        n = self.config.context_len
+        return (list(context) + list(tokens))[-n:]
+
+    # ---- scheduling ----------------------------------------------------------------------------
+    def schedule(self, items) -> StepBatch:
+        """Build the `StepBatch` for one step from ``Prefill``/``Decode``/``Spec`` items, in row order.
+
+        Raises ``ValueError``/``TypeError`` (and changes nothing) for a freed or unknown
+        slot, a slot twice in one step, a spec step longer than ``num_spec_tokens + 1``,
+        a decode or spec before any prefill, token ids outside ``[0, vocab_size)``, or a
+        bad checkpoint request.
+        """
+        self._not_in_flight("schedule")
+        if not isinstance(items, (list, tuple)):
+            raise TypeError(f"items: expected a list of Prefill/Decode/Spec, got {type(items).__name__}")
+        V = self.config.vocab_size
+        S = self.state_len
+        seen: set[int] = set()
+        parsed = []
+        for i, item in enumerate(items):
+            where = f"items[{i}]"
+            if not isinstance(item, (Prefill, Decode, Spec)):
+                raise TypeError(f"{where}: expected Prefill, Decode or Spec, got {type(item).__name__}")
+            s = self._live(item.slot, f"{where}.slot")
+            if item.slot in seen:
+                raise ValueError(f"{where}.slot: slot {item.slot} appears twice in one step")
+            seen.add(item.slot)
+            if isinstance(item, Decode):
+                tokens = as_token_list(f"{where}.token", item.token)
+                if len(tokens) != 1:
+                    raise ValueError(f"{where}.token: a decode takes exactly one token, got {len(tokens)}")
+            else:
+                tokens = as_token_list(f"{where}.tokens", item.tokens)
+            bad = [t for t in tokens if not 0 <= t < V]
+            if bad:
+                raise ValueError(f"{where}.tokens: token ids must lie in [0, {V}), got {bad[:4]}")
+            if isinstance(item, (Decode, Spec)) and not s.started:
+                kind = type(item).__name__.lower()
+                raise ValueError(f"{where}: slot {item.slot} has no prefill yet; a {kind} needs one first")
+            if isinstance(item, Spec) and not 1 <= len(tokens) <= self.num_spec_tokens + 1:
+                raise ValueError(f"{where}.tokens: a spec step takes 1..num_spec_tokens + 1 = "
+                                 f"{self.num_spec_tokens + 1} tokens, got {len(tokens)}")
+            if isinstance(item, Prefill) and (item.checkpoint_at is not None or item.checkpoint_slot is not None):
+                if item.checkpoint_at is None or item.checkpoint_slot is None:
+                    raise ValueError(f"{where}: checkpoint_at and checkpoint_slot go together")
+                _checks.int_arg(f"{where}.checkpoint_at", item.checkpoint_at)
+                if not S <= item.checkpoint_at <= len(tokens) or item.checkpoint_at == 0:
+                    raise ValueError(f"{where}.checkpoint_at: expected an offset in [S={max(S, 1)}, "
+                                     f"{len(tokens)}] (the chunk's tokens), got {item.checkpoint_at}")
+                c = self._live(item.checkpoint_slot, f"{where}.checkpoint_slot")
+                if item.checkpoint_slot in seen or c.started:
+                    raise ValueError(f"{where}.checkpoint_slot: slot {item.checkpoint_slot} must be a fresh "
+                                     f"allocated slot not otherwise in this step")
+                seen.add(item.checkpoint_slot)
+            parsed.append((item, tokens))
+        if not parsed:
+            raise ValueError("items: a step needs at least one item")
+        return self._build(parsed)
+
+    def _build(self, parsed) -> StepBatch:
+        dev = self.device
+        N1 = self.config.context_len
+        S = self.state_len
+
+        def idx(values):
+            return torch.tensor(values, dtype=_INDEX, device=dev)
+
+        def cumsum(lengths):
+            out = [0]
+            for n in lengths:
+                out.append(out[-1] + n)
+            return out
+
+        lengths = [len(t) for _, t in parsed]
+        starts = cumsum(lengths)
+        tokens_flat = [tok for _, t in parsed for tok in t]
+        contexts = [self._slots[item.slot].context for item, _ in parsed]
+
+        spec = [(r, item, t) for r, (item, t) in enumerate(parsed) if isinstance(item, Spec)]
+        dec = [(r, item, t) for r, (item, t) in enumerate(parsed) if isinstance(item, Decode)]
+        pre = [(r, item, t) for r, (item, t) in enumerate(parsed) if isinstance(item, Prefill)]
+
+        def rows_of(group):
+            return [i for r, _, t in group for i in range(starts[r], starts[r] + len(t))]
+
+        realign = []
+        for _, item, _ in dec + pre:
+            s = self._slots[item.slot]
+            if s.num_accepted > 1:
+                realign.append((item.slot, s.num_accepted - 1))
+
+        return StepBatch(
+            num_tokens=starts[-1],
+            input_ids=torch.tensor(tokens_flat, dtype=torch.int64, device=dev),
+            query_start_loc=idx(starts),
+            ngram_context=torch.tensor(contexts, dtype=torch.int64, device=dev).reshape(len(parsed), N1),
+            num_spec_decodes=len(spec),
+            num_spec_tokens=sum(len(t) for _, _, t in spec),
+            spec_token_indices=idx(rows_of(spec)),
+            spec_query_start_loc=idx(cumsum(len(t) for _, _, t in spec)),
+            spec_state_indices=idx([item.slot for _, item, _ in spec]),
+            num_accepted_tokens=idx([self._slots[item.slot].num_accepted for _, item, _ in spec]),
+            spec_query_len=self.num_spec_tokens + 1,
+            num_decodes=len(dec),
+            num_decode_tokens=len(dec),
+            num_prefills=len(pre),
+            num_prefill_tokens=sum(len(t) for _, _, t in pre),
+            non_spec_token_indices=idx(rows_of(dec) + rows_of(pre)),
+            state_indices=idx([item.slot for _, item, _ in dec + pre]),
+            has_initial_states_d=torch.ones(len(dec), dtype=torch.bool, device=dev),
+            has_initial_states_p=torch.tensor([self._slots[item.slot].started for _, item, _ in pre],
+                                              dtype=torch.bool, device=dev),
+            query_start_loc_p=idx(cumsum(len(t) for _, _, t in pre)),
+            non_spec_query_start_loc=idx(cumsum([1] * len(dec) + [len(t) for _, _, t in pre])),
+            checkpoint_offsets=idx([item.checkpoint_at or 0 for _, item, _ in pre]),
+            checkpoint_slots=idx([item.checkpoint_slot or self.null_slot for _, item, _ in pre]),
+            has_checkpoints=any(item.checkpoint_at for _, item, _ in pre) and S > 0,
+            realign=realign,
+            items=[item for item, _ in parsed],
+            tokens_host=[t for _, t in parsed],
+            version=self._version,
+        )
+
+    # ---- called by PLELayer.step ---------------------------------------------------------------
+    def begin_layer(self, batch: StepBatch, layer: int) -> None:
+        """Check that ``batch`` is current and PLE layer ``layer`` has not run it yet."""
+        if not isinstance(batch, StepBatch):
+            raise TypeError(f"batch: expected a StepBatch from cache.schedule, got {type(batch).__name__}")
+        if batch.version != self._version:
+            raise ValueError("batch: stale; it was scheduled before the cache's last step completed")
+        if layer >= self.num_layers:
+            raise ValueError(f"cache: holds {self.num_layers} PLE layer(s) but the layer has PLE index {layer}")
+        if layer in batch.layers_done:
+            raise ValueError(f"batch: PLE layer {layer} has already run this step")
+        if self._in_flight is not None and self._in_flight is not batch:
+            raise ValueError("batch: another step is in flight")
+
+    def end_layer(self, batch: StepBatch, layer: int) -> None:
+        """Record that ``layer`` ran; after the last PLE layer, advance contexts and bookkeeping."""
+        batch.layers_done.add(layer)
+        self._in_flight = batch
+        if len(batch.layers_done) < self.num_layers:
+            return
+        self._in_flight = None
+        self._version += 1
+        for item, tokens in zip(batch.items, batch.tokens_host):
+            s = self._slots[item.slot]
+            if isinstance(item, Spec):
+                s.spec_context = list(s.context)
+                s.spec_tokens = list(tokens)
+                s.num_accepted = len(tokens)            # all kept until accept() says otherwise
+                s.context = self._roll(s.context, tokens)
+                s.length += len(tokens)
+                continue
+            if isinstance(item, Prefill) and item.checkpoint_at:
+                c = self._slots[item.checkpoint_slot]
+                c.started, c.length = True, s.length + item.checkpoint_at
+                c.context = self._roll(s.context, tokens[: item.checkpoint_at])
+                c.num_accepted, c.spec_tokens, c.spec_context = 1, None, None
+            if tokens:
+                s.started = True
+            s.context = self._roll(s.context, tokens)
+            s.length += len(tokens)
+            s.num_accepted, s.spec_tokens, s.spec_context = 1, None, None
+
+    # ---- save / load ---------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the whole cache (states, contexts, slot table) to a safetensors file, bit-exact."""
+        from safetensors.torch import save_file
+
+        self._not_in_flight("save")
+        table = [dict(active=s.active, started=s.started, length=s.length, context=s.context,
+                      num_accepted=s.num_accepted, spec_tokens=s.spec_tokens, spec_context=s.spec_context)
+                 for s in self._slots]
+        meta = dict(config=self.config.to_dict(), num_slots=self.num_slots, num_spec_tokens=self.num_spec_tokens,
+                    num_layers=self.num_layers, layout=self.layout, slots=table, format="ple.PLECache/1")
+        save_file({"conv_states": self.conv_states.contiguous().cpu(), "contexts": self.contexts},
+                  str(path), metadata={"ple": json.dumps(meta)})
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, *, device=None) -> PLECache:
+        """Read a cache written by `save`; the same states (bit for bit), contexts and slot table."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            raw = (f.metadata() or {}).get("ple")
+            if raw is None:
+                raise ValueError(f"path: {path} is not a PLECache file (no 'ple' metadata)")
+            meta = json.loads(raw)
+            states = f.get_tensor("conv_states")
+        config = PLEConfig.from_dict(meta["config"])
+        cache = cls(config, meta["num_slots"], num_spec_tokens=meta["num_spec_tokens"],
+                    num_layers=meta["num_layers"], dtype=states.dtype, device=device, layout=meta["layout"])
+        if tuple(states.shape) != tuple(cache.conv_states.shape):
+            raise ValueError(f"path: conv_states has shape {tuple(states.shape)}, expected "
+                             f"{tuple(cache.conv_states.shape)}")
+        cache.conv_states.copy_(states)
+        cache._slots = [_Slot(**s) for s in meta["slots"]]
+        return cache

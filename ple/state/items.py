@@ -1,0 +1,62 @@
+"""What a serving step asks of one request: ``Prefill``, ``Decode`` or ``Spec``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Prefill", "Decode", "Spec", "as_token_list"]
+
+
+def as_token_list(name: str, tokens) -> list[int]:
+    """Tokens as a list of Python ints: an int, a list of ints or a 1-D integer tensor."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise TypeError(f"{name}: expected an integer tensor, got {tokens.dtype}")
+        if tokens.dim() > 1:
+            raise ValueError(f"{name}: expected a 0-D or 1-D tensor, got shape {tuple(tokens.shape)}")
+        return [int(t) for t in tokens.reshape(-1).tolist()]
+    if isinstance(tokens, bool):
+        raise TypeError(f"{name}: expected token ids, got a bool")
+    if isinstance(tokens, int):
+        return [tokens]
+    if isinstance(tokens, (list, tuple)):
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise TypeError(f"{name}: expected a list of ints, got {tokens!r}")
+        return list(tokens)
+    raise TypeError(f"{name}: expected an int, a list of ints or a 1-D integer tensor, got "
+                    f"{type(tokens).__name__}")
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """Append ``tokens`` (a chunk of the prompt, or any tokens) to the request in ``slot``.
+
+    ``checkpoint_at`` / ``checkpoint_slot``: after the step, ``checkpoint_slot`` (an
+    allocated, otherwise unused slot) holds the request's state and context after the
+    first ``checkpoint_at`` tokens of this chunk, as a request of its own that can be
+    continued or forked (prefix caching). ``checkpoint_at`` must be at least the conv
+    history length S and at most ``len(tokens)``.
+    """
+
+    slot: int
+    tokens: object
+    checkpoint_at: int | None = None
+    checkpoint_slot: int | None = None
+
+
+@dataclass(frozen=True)
+class Decode:
+    """Append one token to the request in ``slot``."""
+
+    slot: int
+    token: object
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A speculative step: 1..``num_spec_tokens + 1`` tokens, of which ``cache.accept`` keeps a prefix."""
+
+    slot: int
+    tokens: object

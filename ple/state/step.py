@@ -1,0 +1,68 @@
+"""`PLELayer.step`: one serving step of one PLE layer over a `StepBatch`."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _checks
+from .cache import PLECache, StepBatch
+
+__all__ = ["layer_step"]
+
+
+@torch.no_grad()
+def layer_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLECache) -> torch.Tensor:
+    """Run ``layer`` on the ``[T, C]`` rows of ``batch``; conv states of ``cache`` updated in place.
+
+    The n-gram ids come from the batch's contexts; the gate runs once over all rows;
+    the conv runs once for the spec rows and once per non-spec mode (decodes, then
+    prefills), each through ``token_indices`` into the caller's row order, with the
+    outer residual (``hidden_states``) fused. Inference only (no autograd).
+    """
+    if not isinstance(cache, PLECache):
+        raise TypeError(f"cache: expected a PLECache, got {type(cache).__name__}")
+    index = layer.ple_layer_index
+    cache.begin_layer(batch, index)
+    layer._check_hidden(hidden_states, 2)
+    T, C = hidden_states.shape  # tokens of the step, channels (hc_count * hidden_size)
+    if T != batch.num_tokens:
+        raise ValueError(f"hidden_states: expected {batch.num_tokens} rows (the batch's tokens), got {T}")
+    if cache.config.hc_hidden_size != C or cache.config.conv_state_len != layer.config.conv_state_len:
+        raise ValueError("cache: built for a different config than the layer's")
+    _checks.tensor("hidden_states", hidden_states, device=cache.device)
+
+    ops = layer.ops
+    cfg = layer.config
+    ids = ops.ngram_ids(batch.input_ids, layer.ple_embedding.hash_params(), heads_per_ngram=cfg.heads_per_ngram,
+                        eos_token_id=cfg.eos_token_id, query_start_loc=batch.query_start_loc,
+                        ngram_context=batch.ngram_context)
+    emb = layer.embed(ids, hidden_states.dtype)                          # [T, E]
+    out, conv_input = layer.gate(emb, hidden_states)                     # gated becomes the output in place
+    state = cache.conv_state(index)                                      # [num_slots, C, W] view
+    weights = layer.conv_weights.to(conv_input.dtype)
+    S = cfg.conv_state_len
+    common = dict(dilation=cfg.conv_dilation, outer_residual=hidden_states, null_slot=cache.null_slot)
+
+    for slot, offset in batch.realign:                                   # spec -> non-spec: move the window
+        state[slot, :, :S] = state[slot, :, offset:offset + S].clone()
+
+    if batch.num_spec_decodes:
+        ops.ple_conv(conv_input, out, state, weights, batch.spec_state_indices, mode="spec",
+                     query_start_loc=batch.spec_query_start_loc, num_accepted_tokens=batch.num_accepted_tokens,
+                     spec_query_len=batch.spec_query_len, token_indices=batch.spec_token_indices, **common)
+    nd = batch.num_decode_tokens
+    if batch.num_decodes:
+        ops.ple_conv(conv_input, out, state, weights, batch.state_indices[:batch.num_decodes], mode="decode",
+                     has_initial_states=batch.has_initial_states_d,
+                     token_indices=batch.non_spec_token_indices[:nd], **common)
+    if batch.num_prefills:
+        prefill_rows = batch.non_spec_token_indices[nd:]
+        ops.ple_conv(conv_input, out, state, weights, batch.state_indices[batch.num_decodes:], mode="prefill",
+                     query_start_loc=batch.query_start_loc_p, has_initial_states=batch.has_initial_states_p,
+                     token_indices=prefill_rows, **common)
+        if batch.has_checkpoints:
+            ops.export_conv_checkpoints(conv_input, state, query_start_loc=batch.query_start_loc_p,
+                                        offsets=batch.checkpoint_offsets, slots=batch.checkpoint_slots,
+                                        state_len=S, token_indices=prefill_rows, null_slot=cache.null_slot)
+    cache.end_layer(batch, index)
+    return out
