@@ -202,7 +202,7 @@ PRESETS: dict[str, PLEConfig] = {
     "tiny": PLEConfig(
         vocab_size=1000, hidden_size=24, hc_count=2, ple_embed_dim=24, ple_conv_kernel_size=4,
         ngram_size=3, heads_per_ngram=3, ngram_vocab_size_base=1000,
-        make_ngram_vocab_size_divisible_by=16, seed=1234, eos_token_id=2, ple_layer_ids=(1,),
+        make_ngram_vocab_size_divisible_by=16, seed=1234, eos_token_id=2, ple_layer_ids=(1, 2),
         split_ngram_parts=4,
     ),
     # The released Qwen4Exp text model (Qwen3.8-Flash-Next).

@@ -58,12 +58,17 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, *, name: 
     if actual.shape != expected.shape or actual.dtype != expected.dtype:
         raise AssertionError(f"{name}: {tuple(actual.shape)}/{actual.dtype} != "
                              f"{tuple(expected.shape)}/{expected.dtype}")
-    a = actual.detach().contiguous().cpu().view(torch.uint8)
-    b = expected.detach().contiguous().cpu().view(torch.uint8)
+    a, b = _bytes(actual), _bytes(expected)
     if not torch.equal(a, b):
         diff = (actual.detach().cpu().double() != expected.detach().cpu().double())
         raise AssertionError(f"{name}: not bit-for-bit equal at {int(diff.sum())} of {diff.numel()} entries; "
                              f"first at {diff.nonzero()[:1].tolist()}")
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    flat = torch.empty(t.numel(), dtype=t.dtype)
+    flat.copy_(t.detach().cpu().reshape(-1))
+    return flat.view(torch.uint8)
 
 
 def assert_no_nan(t: torch.Tensor, *, name: str = "output", allowed: torch.Tensor | None = None) -> None:

@@ -1,0 +1,309 @@
+"""PLECache, the step scheduler and PLELayer.step (issue 3), on the reference backend."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+import ple
+from ple.state import Decode, PLECache, Prefill, Spec
+from ple.testing import strategies as pst
+from ple.testing.numerics import assert_bitwise_equal
+from ple.testing.serving import conv_inputs_of_step, check_replay, random_script, replay
+
+
+def make_layers(config, num_layers, seed, backend="reference", dtype=torch.float32):
+    """Layers with every parameter non-zero, so each part of the layer shows in the output."""
+    g = torch.Generator().manual_seed(seed)
+    layers = []
+    for i in range(num_layers):
+        layer = ple.PLELayer(config, i, backend=backend, dtype=dtype)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(dtype) * 0.5)
+        layers.append(layer)
+    return layers
+
+
+def snapshot(cache):
+    return cache.conv_states.clone(), copy.deepcopy(cache._slots), cache._version
+
+
+def assert_unchanged(cache, snap):
+    states, slots, version = snap
+    assert_bitwise_equal(cache.conv_states, states, name="conv_states")
+    assert cache._slots == slots
+    assert cache._version == version
+
+
+@given(config=pst.configs(), data=st.data(), seed=pst.seeds(),
+       num_layers=st.integers(1, 2), layout=st.sampled_from(["channels_first", "channels_last"]),
+       num_spec_tokens=st.integers(0, 4))
+def test_schedule_property(config, data, seed, num_layers, layout, num_spec_tokens):
+    """Every accepted token of any schedule equals forward over the whole accepted sequence."""
+    script = data.draw(pst.serving_scripts(config, num_spec_tokens=num_spec_tokens), label="script")
+    note(f"config={config}")
+    note(f"script={script}")
+    layers = make_layers(config, num_layers, seed)
+    cache = PLECache(config, 4, num_spec_tokens=num_spec_tokens, num_layers=num_layers, layout=layout)
+    result = replay(layers, cache, script, generator=torch.Generator().manual_seed(seed))
+    check_replay(layers, result)
+    assert sorted(result.finished) == sorted(result.tokens)
+    assert cache.active_slots() == []
+
+
+def test_permuted_rows_give_permuted_outputs():
+    config = ple.PLEConfig.preset("tiny")
+    layer, = make_layers(config, 1, 0)
+    g = torch.Generator().manual_seed(1)
+
+    def run(order):
+        cache = PLECache(config, 5, num_spec_tokens=2)
+        slots = [cache.allocate() for _ in range(3)]
+        warm = cache.schedule([Prefill(slots[0], list(range(10, 21))), Prefill(slots[1], [3, 4, 5]),
+                               Prefill(slots[2], [7])])
+        layer.step(torch.randn(15, config.hc_hidden_size, generator=torch.Generator().manual_seed(2)), warm, cache)
+        items = [Spec(slots[0], [1, 2, 3]), Decode(slots[1], 9), Prefill(slots[2], [8, 2, 4, 6])]
+        rows = {0: [0, 1, 2], 1: [3], 2: [4, 5, 6, 7]}
+        batch = cache.schedule([items[i] for i in order])
+        perm = [r for i in order for r in rows[i]]
+        out = layer.step(hidden[perm], batch, cache)
+        back = torch.empty_like(out)
+        back[perm] = out
+        return back, cache.conv_states.clone()
+
+    hidden = torch.randn(8, config.hc_hidden_size, generator=g)
+    base, states = run([0, 1, 2])
+    for order in ([2, 1, 0], [1, 2, 0], [2, 0, 1]):
+        out, st_ = run(order)
+        torch.testing.assert_close(out, base, rtol=1e-6, atol=1e-6)
+        assert_bitwise_equal(st_, states)
+
+
+def test_slot_reuse_is_isolated():
+    config = ple.PLEConfig.preset("tiny")
+    layer, = make_layers(config, 1, 3)
+    C = config.hc_hidden_size
+    h = torch.randn(6, C, generator=torch.Generator().manual_seed(4))
+    fresh = PLECache(config, 3, num_spec_tokens=2)
+    s = fresh.allocate()
+    expected = layer.step(h, fresh.schedule([Prefill(s, [5, 6, 7, 8, 9, 10])]), fresh)
+
+    used = PLECache(config, 2, num_spec_tokens=2)          # one usable slot: reuse is forced
+    s = used.allocate()
+    b = used.schedule([Prefill(s, [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21])])
+    layer.step(torch.randn(11, C), b, used)
+    layer.step(torch.randn(3, C), used.schedule([Spec(s, [1, 2, 3])]), used)
+    used.accept(s, 2)
+    used.free(s)
+    s2 = used.allocate()
+    assert s2 == s
+    assert used.context(s2) == [config.eos_token_id] * config.context_len
+    assert not used.conv_states[:, s2].any()
+    got = layer.step(h, used.schedule([Prefill(s2, [5, 6, 7, 8, 9, 10])]), used)
+    assert_bitwise_equal(got, expected, name="output of a reused slot")
+    assert_bitwise_equal(used.conv_states[:, s2], fresh.conv_states[:, 1])
+
+
+def test_checkpoint_and_restore_equal_never_stopping():
+    config = ple.PLEConfig.preset("tiny")
+    S = config.conv_state_len
+    layers = make_layers(config, 2, 5)
+    C = config.hc_hidden_size
+    g = torch.Generator().manual_seed(6)
+    prompt = [int(t) for t in torch.randint(0, config.vocab_size, (S + 5,), generator=g)]
+    k = S + 2
+    rest = [4, 5, config.eos_token_id, 6, 7]
+    h_prompt = torch.randn(len(prompt), C, generator=g)
+    h_rest = torch.randn(len(rest), C, generator=g)
+
+    def run_layers(cache, batch, h):
+        for layer in layers:
+            h = layer.step(h, batch, cache)
+        return h
+
+    # A request that prefills the prompt, checkpointing after k tokens, then a fork continues from it.
+    cache = PLECache(config, 5, num_layers=2)
+    a, ck = cache.allocate(), cache.allocate()
+    batch = cache.schedule([Prefill(a, prompt, checkpoint_at=k, checkpoint_slot=ck)])
+    h, conv_inputs = h_prompt, []
+    for layer in layers:
+        conv_inputs.append(conv_inputs_of_step(layer, h, batch))
+        h = layer.step(h, batch, cache)
+    for li, ci in enumerate(conv_inputs):        # the checkpoint is a copy of the S inputs before k
+        assert_bitwise_equal(cache.conv_state(li)[ck, :, :S], ci[k - S:k].T, name=f"checkpoint, layer {li}")
+    assert cache.length(ck) == k and cache.context(ck) == prompt[:k][-config.context_len:]
+    b = cache.fork(ck)
+    assert_bitwise_equal(cache.conv_states[:, b], cache.conv_states[:, ck], name="forked state")
+    out_b = run_layers(cache, cache.schedule([Prefill(b, rest)]), h_rest)
+
+    # The same request that never stopped: prompt[:k] then rest.
+    ref = PLECache(config, 3, num_layers=2)
+    r = ref.allocate()
+    run_layers(ref, ref.schedule([Prefill(r, prompt[:k])]), h_prompt[:k])
+    out_r = run_layers(ref, ref.schedule([Prefill(r, rest)]), h_rest)
+    torch.testing.assert_close(out_b, out_r, rtol=1e-5, atol=1e-5)
+    # And both equal forward over the whole sequence.
+    whole = torch.cat([h_prompt[:k], h_rest])[None]
+    ids = torch.tensor(prompt[:k] + rest)[None]
+    expected = layers[1](layers[0](whole, ids), ids)[0, k:]
+    torch.testing.assert_close(out_b, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["channels_first", "channels_last"])
+def test_save_and_load_are_exact(tmp_path, layout):
+    config = ple.PLEConfig.preset("tiny")
+    layer, = make_layers(config, 1, 7)
+    script = random_script(random.Random(3), vocab_size=config.vocab_size, eos_token_id=config.eos_token_id,
+                           num_requests=4, num_spec_tokens=2, max_generate=10)
+    half = len(script) // 2
+    cache = PLECache(config, 4, num_spec_tokens=2, layout=layout)
+    replay([layer], cache, script[:half], generator=torch.Generator().manual_seed(0), check_states=False)
+    path = tmp_path / "cache.safetensors"
+    cache.save(path)
+    loaded = PLECache.load(path)
+    assert loaded.layout == layout and loaded.conv_states.shape == cache.conv_states.shape
+    assert_bitwise_equal(loaded.conv_states, cache.conv_states)
+    assert loaded._slots == cache._slots
+    assert torch.equal(loaded.contexts, cache.contexts)
+    # Both continue identically: one decode step on every live request.
+    items = [Decode(s, 1) for s in cache.active_slots()]
+    assert items, "the first half of the script should leave live requests"
+    h = torch.randn(len(items), config.hc_hidden_size)
+    o1 = layer.step(h, cache.schedule(items), cache)
+    o2 = layer.step(h, loaded.schedule(items), loaded)
+    assert_bitwise_equal(o1, o2)
+    assert_bitwise_equal(loaded.conv_states, cache.conv_states)
+
+
+def test_load_rejects_foreign_file(tmp_path):
+    from safetensors.torch import save_file
+
+    p = tmp_path / "x.safetensors"
+    save_file({"a": torch.zeros(1)}, str(p))
+    with pytest.raises(ValueError, match="path"):
+        PLECache.load(p)
+
+
+def _warm_cache(config, layer):
+    cache = PLECache(config, 4, num_spec_tokens=2)
+    a, b = cache.allocate(), cache.allocate()
+    layer.step(torch.randn(5, config.hc_hidden_size), cache.schedule([Prefill(a, [1, 2, 3]), Prefill(b, [4, 5])]),
+               cache)
+    layer.step(torch.randn(3, config.hc_hidden_size), cache.schedule([Spec(a, [6, 7, 8])]), cache)
+    return cache, a, b
+
+
+@pytest.mark.parametrize("make_items, error, match", [
+    (lambda a, b, c: [Decode(9, 1)], ValueError, "unknown slot"),
+    (lambda a, b, c: [Decode(0, 1)], ValueError, "null slot"),
+    (lambda a, b, c: [Decode(c, 1)], ValueError, "not allocated"),
+    (lambda a, b, c: [Decode(a, 1), Spec(a, [1])], ValueError, "twice"),
+    (lambda a, b, c: [Spec(a, [1, 2, 3, 4])], ValueError, "num_spec_tokens"),
+    (lambda a, b, c: [Spec(b, [])], ValueError, "num_spec_tokens"),
+    (lambda a, b, c: [Decode(b, [1, 2])], ValueError, "exactly one"),
+    (lambda a, b, c: [Decode(b, 10_000)], ValueError, "token ids"),
+    (lambda a, b, c: [Decode(b, 1.5)], TypeError, "token"),
+    (lambda a, b, c: [Prefill(a, [1, 2]), "x"], TypeError, "items"),
+    (lambda a, b, c: [], ValueError, "at least one"),
+    (lambda a, b, c: [Prefill(a, list(range(20)), checkpoint_at=3, checkpoint_slot=b)], ValueError, "checkpoint"),
+    (lambda a, b, c: [Prefill(a, list(range(20)), checkpoint_at=12)], ValueError, "together"),
+    (lambda a, b, c: [Prefill(a, list(range(12)), checkpoint_at=10, checkpoint_slot=a)], ValueError,
+     "checkpoint_slot"),
+])
+def test_invalid_schedules_leave_the_cache_unchanged(make_items, error, match):
+    config = ple.PLEConfig.preset("tiny")
+    layer, = make_layers(config, 1, 8)
+    cache, a, b = _warm_cache(config, layer)
+    c = cache.allocate()
+    cache.free(c)
+    snap = snapshot(cache)
+    with pytest.raises(error, match=match):
+        cache.schedule(make_items(a, b, c))
+    assert_unchanged(cache, snap)
+
+
+def test_decode_or_spec_before_prefill_is_an_error():
+    config = ple.PLEConfig.preset("tiny")
+    cache = PLECache(config, 3, num_spec_tokens=1)
+    s = cache.allocate()
+    snap = snapshot(cache)
+    for item in (Decode(s, 1), Spec(s, [1, 2])):
+        with pytest.raises(ValueError, match="no prefill"):
+            cache.schedule([item])
+    assert_unchanged(cache, snap)
+
+
+def test_accept_errors_leave_the_cache_unchanged():
+    config = ple.PLEConfig.preset("tiny")
+    layer, = make_layers(config, 1, 9)
+    cache, a, b = _warm_cache(config, layer)
+    snap = snapshot(cache)
+    for n in (0, 4, -1):
+        with pytest.raises(ValueError, match="n:"):
+            cache.accept(a, n)
+    with pytest.raises(ValueError, match="not a spec step"):
+        cache.accept(b, 1)
+    with pytest.raises(TypeError):
+        cache.accept(a, 1.0)
+    assert_unchanged(cache, snap)
+    cache.accept(a, 2)
+    assert cache.length(a) == 5 and cache.context(a) == [1, 2, 3, 6, 7][-config.context_len:]
+
+
+def test_slot_table_errors():
+    config = ple.PLEConfig.preset("tiny")
+    cache = PLECache(config, 3)
+    a, b = cache.allocate(), cache.allocate()
+    assert {a, b} == {1, 2}
+    with pytest.raises(RuntimeError, match="full"):
+        cache.allocate()
+    cache.free(a)
+    with pytest.raises(ValueError, match="not allocated"):
+        cache.free(a)
+    with pytest.raises(ValueError, match="unknown slot"):
+        cache.free(7)
+    with pytest.raises(ValueError, match="null slot"):
+        cache.free(0)
+    with pytest.raises(ValueError, match="num_slots"):
+        PLECache(config, 1)
+    with pytest.raises(ValueError, match="layout"):
+        PLECache(config, 3, layout="wc")
+
+
+def test_stale_batches_and_bad_hidden_are_rejected():
+    config = ple.PLEConfig.preset("tiny")
+    layer, = make_layers(config, 1, 10)
+    cache = PLECache(config, 3)
+    s = cache.allocate()
+    batch = cache.schedule([Prefill(s, [1, 2, 3])])
+    snap = snapshot(cache)
+    with pytest.raises(ValueError, match="hidden_states"):
+        layer.step(torch.randn(4, config.hc_hidden_size), batch, cache)
+    with pytest.raises(TypeError, match="hidden_states"):
+        layer.step(torch.randn(3, config.hc_hidden_size, dtype=torch.float64), batch, cache)
+    assert_unchanged(cache, snap)
+    layer.step(torch.randn(3, config.hc_hidden_size), batch, cache)
+    with pytest.raises(ValueError, match="stale"):
+        layer.step(torch.randn(3, config.hc_hidden_size), batch, cache)
+
+
+def test_multi_layer_contexts_advance_once_per_step():
+    config = ple.PLEConfig.preset("tiny")
+    layers = make_layers(config, 2, 11)
+    cache = PLECache(config, 3, num_layers=2)
+    s = cache.allocate()
+    batch = cache.schedule([Prefill(s, [5, 6, 7])])
+    h = layers[0].step(torch.randn(3, config.hc_hidden_size), batch, cache)
+    assert cache.context(s) == [config.eos_token_id] * config.context_len       # not yet: layer 1 pending
+    with pytest.raises(RuntimeError, match="in flight"):
+        cache.schedule([Decode(s, 1)])
+    with pytest.raises(ValueError, match="already run"):
+        layers[0].step(h, batch, cache)
+    layers[1].step(h, batch, cache)
+    assert cache.context(s) == [6, 7][-config.context_len:]
