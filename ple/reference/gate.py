@@ -14,7 +14,7 @@ from einops import rearrange
 
 from .. import _checks
 
-__all__ = ["grouped_rms_norm", "ple_gate", "GATE_CLAMP", "acc_dtype"]
+__all__ = ["grouped_rms_norm", "ple_gate", "stream_gates", "GATE_CLAMP", "acc_dtype"]
 
 GATE_CLAMP = 1e-6
 """``|s|`` is clamped to this before the square root, so the gate's slope stays finite at 0."""
@@ -67,15 +67,21 @@ def ple_gate(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor
     and ``s[m] = <norm_key(key)[m], norm_query(hidden)[m]> / sqrt(H)``.
     """
     check_gate_args(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps)
-    T, C = key.shape
     H = value.shape[1]
-    dt = key.dtype
-    kn = rearrange(grouped_rms_norm(key, norm_key_weight, H, eps), "t (m h) -> t m h", h=H)
-    qn = rearrange(grouped_rms_norm(hidden_states, norm_query_weight, H, eps), "t (m h) -> t m h", h=H)
-    s = (kn * qn).sum(-1, dtype=acc_dtype(dt)).to(dt)          # [T, M]; product rounded, sum in fp32
-    s = s / math.sqrt(H)
-    mag = s.abs().clamp_min(GATE_CLAMP).sqrt()
-    g = torch.sigmoid(mag * s.sign())
+    g = stream_gates(key, hidden_states, norm_key_weight, norm_query_weight, H, eps)    # [T, M]
     gated = rearrange(g[:, :, None] * value[:, None, :], "t m h -> t (m h)")
     conv_input = grouped_rms_norm(gated, norm_conv_weight, H, eps)
     return gated, conv_input
+
+
+def stream_gates(key: torch.Tensor, hidden_states: torch.Tensor, norm_key_weight: torch.Tensor,
+                 norm_query_weight: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
+    """The gate ``g[t, m]`` of every token and stream, ``[T, M]`` in the input dtype (see `ple_gate`)."""
+    H = group_size
+    dt = key.dtype
+    kn = rearrange(grouped_rms_norm(key, norm_key_weight, H, eps), "t (m h) -> t m h", h=H)
+    qn = rearrange(grouped_rms_norm(hidden_states, norm_query_weight, H, eps), "t (m h) -> t m h", h=H)
+    s = (kn * qn).sum(-1, dtype=acc_dtype(dt)).to(dt)           # [T, M]; product rounded, sum in fp32
+    s = s / math.sqrt(H)
+    mag = s.abs().clamp_min(GATE_CLAMP).sqrt()
+    return torch.sigmoid(mag * s.sign())

@@ -1,0 +1,20 @@
+"""Command line: ``python -m ple demo`` (more subcommands: ``python -m ple --help``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import demo
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ple", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo._parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
