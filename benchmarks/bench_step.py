@@ -1,0 +1,115 @@
+"""Benchmark ``PLELayer.step`` (a whole serving step of one layer) and ``PLELayer.forward``.
+
+Cases: a prefill of T tokens, a decode batch of B requests, a spec batch of B
+requests with 4 tokens each, and a mixed step (one prefill chunk + decodes + specs).
+Variants: the layer on the Triton backend and on the reference backend.
+
+    python benchmarks/bench_step.py                 # real widths (GPU)
+    python benchmarks/bench_step.py --smoke --dtype float32
+    python benchmarks/bench_step.py --backward      # forward + backward of PLELayer.forward (training)
+"""
+
+from __future__ import annotations
+
+import common
+import torch
+
+import ple
+from ple.state import Decode, PLECache, Prefill, Spec
+
+
+def make_layer(cfg, backend, device, dtype):
+    torch.manual_seed(0)
+    layer = ple.PLELayer(cfg, backend=backend, device=device, dtype=dtype)
+    with torch.no_grad():
+        for p in (layer.norm_key.weight, layer.norm_query.weight, layer.norm_conv.weight, layer.conv1d.weight):
+            p.normal_(0, 0.1)
+    return layer
+
+
+def step_variant(layer, cfg, kind, n, device, dtype, spec_len=4):
+    """A zero-arg callable running one step of ``kind`` on fresh state (scheduling included)."""
+    slots = n if kind != "prefill" else 1
+    cache = PLECache(cfg, slots + 2, num_spec_tokens=spec_len - 1, dtype=dtype, device=device)
+    ids = list(range(2, 2 + slots))
+    live = [cache.allocate() for _ in range(slots)]
+    warm = cache.schedule([Prefill(s, [3, 4, 5]) for s in live])
+    layer.step(torch.zeros(warm.num_tokens, cfg.hc_hidden_size, device=device, dtype=dtype), warm, cache)
+    if kind == "prefill":
+        items = [Prefill(live[0], [7] * n)]
+    elif kind == "decode":
+        items = [Decode(s, t) for s, t in zip(live, ids)]
+    elif kind == "spec":
+        items = [Spec(s, [t] * spec_len) for s, t in zip(live, ids)]
+    else:                                   # mixed: a 512-token chunk, a third decodes, the rest spec
+        items = [Prefill(live[0], [7] * 512)] + [
+            Decode(s, 5) if i % 3 == 0 else Spec(s, [5] * spec_len) for i, s in enumerate(live[1:])]
+    hidden = torch.randn(sum(len(getattr(i, "tokens", [0])) for i in items), cfg.hc_hidden_size,
+                         device=device).to(dtype)
+
+    batch = cache.schedule(items)                       # scheduled once: the timing is the layer's step
+    saved = [slot.__dict__.copy() for slot in cache._slots]
+
+    def run():
+        # The step advances the cache's bookkeeping; put it back so the same batch can run again.
+        for slot, d in zip(cache._slots, saved):
+            slot.__dict__.update(d)
+        cache._version, batch.layers_done = batch.version, set()
+        layer.step(hidden, batch, cache)
+
+    tokens = hidden.shape[0]
+    return run, tokens
+
+
+def main(argv=None):
+    p = common.parser(__doc__.splitlines()[0])
+    common.add_model_args(p)
+    p.add_argument("--prefill", default="512,4096,16384")
+    p.add_argument("--decode", default="1,64,256")
+    p.add_argument("--spec-batch", default="1,64,256")
+    p.add_argument("--mixed", default="64", help="requests in the mixed step")
+    args = p.parse_args(argv)
+    device, dtype, repeats = common.setup(args)
+    cfg = common.model_config(args)
+    if args.smoke:
+        args.prefill, args.decode, args.spec_batch, args.mixed = "9", "3", "2", ""
+    layers = {"triton": make_layer(cfg, "triton", device, dtype)}
+    layers["reference"] = make_layer(cfg, "reference", device, dtype)
+    layers["reference"].load_state_dict(layers["triton"].state_dict())
+    C, E = cfg.hc_hidden_size, cfg.ple_embed_dim
+    isz = torch.empty(0, dtype=dtype).element_size()
+    print(f"PLELayer: C={C} E={E} NH={cfg.num_ngram_heads} {dtype} on {device}; "
+          f"copy bandwidth {common.copy_bandwidth(device, repeats):.1f} GB/s")
+    rows = []
+    if args.backward:
+        for T in common.ints(args.prefill):
+            hidden = torch.randn(1, T, C, device=device).to(dtype).requires_grad_(True)
+            ids = torch.randint(0, cfg.vocab_size, (1, T), device=device)
+            grad = torch.randn_like(hidden)
+
+            def fb(layer):
+                def f():
+                    out = layer(hidden, ids)
+                    torch.autograd.grad(out, [hidden] + [q for q in layer.parameters()], grad)
+                return f
+            nbytes = T * isz * (6 * C + 2 * E) * 3 + sum(q.numel() for n, q in layers["triton"].named_parameters()
+                                                         if "ngram" not in n) * isz * 2
+            rows += common.run_case(args, "layer_forward_backward", f"T={T}", dtype, device, repeats,
+                                    {k: fb(v) for k, v in layers.items()}, nbytes)
+        return rows
+    weights = (C * E + cfg.hidden_size * E) * isz
+    cases = [("prefill", n) for n in common.ints(args.prefill)] + [("decode", n) for n in common.ints(args.decode)] \
+        + [("spec", n) for n in common.ints(args.spec_batch)] + [("mixed", n) for n in common.ints(args.mixed)]
+    for kind, n in cases:
+        variants = {}
+        for name, layer in layers.items():
+            variants[name], tokens = step_variant(layer, cfg, kind, n, device, dtype)
+        # at least: the projection weights, each token's table rows, 6 [T, C] tensors, the conv states
+        nbytes = weights + tokens * isz * (6 * C + 2 * E) + n * C * cfg.conv_state_len * isz * 2
+        rows += common.run_case(args, "layer_step", f"{kind} n={n} T={tokens}", dtype, device, repeats,
+                                variants, nbytes)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
