@@ -110,8 +110,8 @@ class PLEConfig:
                 f"eos_token_id: expected an int in [0, vocab_size={self.vocab_size}), got {self.eos_token_id!r}"
             )
         if isinstance(self.rms_norm_eps, bool) or not isinstance(self.rms_norm_eps, (int, float)) \
-                or not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps: expected a positive float, got {self.rms_norm_eps!r}")
+                or not 0 < self.rms_norm_eps < float("inf"):
+            raise ValueError(f"rms_norm_eps: expected a positive finite float, got {self.rms_norm_eps!r}")
         set_(self, "rms_norm_eps", float(self.rms_norm_eps))
         if self.ple_embed_dim % self.num_ngram_heads != 0:
             raise ValueError(

@@ -176,8 +176,8 @@ def dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: int,
         T = x.shape[0]
         seq_start = torch.zeros(T, dtype=torch.int64, device=x.device)
         if starts is not None:
-            lens = torch.tensor([b - a for a, b in zip(starts, starts[1:])], device=x.device)
-            seq_start = torch.repeat_interleave(torch.tensor(starts[:-1], device=x.device), lens)
+            lens = torch.tensor([b - a for a, b in zip(starts, starts[1:])], device=x.device, dtype=torch.int64)
+            seq_start = torch.repeat_interleave(torch.tensor(starts[:-1], device=x.device, dtype=torch.int64), lens)
         pos = torch.arange(T, device=x.device) - seq_start      # position within its sequence
         time_dim = 0
     out = torch.zeros_like(xf)

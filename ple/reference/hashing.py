@@ -174,7 +174,7 @@ def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: i
     else:
         ctx = ngram_context.to(torch.int64)
 
-    lens = torch.tensor([b - a for a, b in zip(starts, starts[1:])], device=dev)
+    lens = torch.tensor([b - a for a, b in zip(starts, starts[1:])], device=dev, dtype=torch.int64)
     req = torch.repeat_interleave(torch.arange(R, device=dev), lens)                    # [T] request of a token
     pos = torch.arange(T, device=dev) - torch.tensor(starts[:-1], device=dev, dtype=torch.int64)[req]
 
