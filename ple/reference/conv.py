@@ -147,6 +147,8 @@ def check_dense_conv_args(x, weight, dilation, cu_seqlens):
         raise ValueError(f"x: expected [B, L, C] or packed [T, C], got shape {tuple(x.shape)}")
     C = x.shape[-1]
     _checks.tensor("weight", weight, ndim=2, kind="float", device=x.device, shape=(C, None))
+    if weight.shape[1] < 1:
+        raise ValueError("weight: expected at least one tap, got shape (C, 0)")
     _checks.int_arg("dilation", dilation, minimum=1)
     if cu_seqlens is not None:
         if x.dim() != 2:
