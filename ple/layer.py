@@ -11,6 +11,11 @@ with ``load_state_dict(strict=True)``::
     value_proj.weight                      [H, E]
     norm_key.weight / norm_query.weight / norm_conv.weight   [C]
     conv1d.weight                          [C, 1, K]
+
+The table may be quantized (``NGramEmbedding.quantize_``, ``ple.quant``: an FP8 or int8
+``weight`` plus ``ple_embedding.ngram_embedding.weight_scale``) and may stay in host
+memory while the rest runs on the GPU (``ple.offload``), with its rows fetched ahead of
+time by ``layer.start_prefetch``.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from torch import nn
 from . import _checks
 from .backends import resolve_backend
 from .config import PLEConfig
+from .offload import embed_rows
+from .offload import start_prefetch as _start_prefetch
+from .quant import QuantizedEmbedding
 from .reference.hashing import HashParams, hash_params
 
 __all__ = ["PLELayer", "GroupedRMSNorm", "NGramEmbedding"]
@@ -58,6 +66,10 @@ class NGramEmbedding(nn.Module):
         """The hash parameters as stored in this module's buffers (so loaded buffers are what is used)."""
         return HashParams(self.layer_multipliers, self.ngram_heads_vocab_sizes, self.ngram_heads_offsets,
                           self.ngram_embedding.weight.shape[0], self.vocab_size)
+
+    def quantize_(self, scheme: str) -> None:
+        """Replace the float table by its quantization, in place: ``"fp8"`` or ``"int8"`` (``ple.quant``)."""
+        self.ngram_embedding = QuantizedEmbedding.from_float(self.ngram_embedding.weight.detach(), scheme)
 
 
 class PLELayer(nn.Module):
@@ -98,6 +110,7 @@ class PLELayer(nn.Module):
         self.norm_conv = GroupedRMSNorm(C, H, config.rms_norm_eps, **kw)
         self.conv1d = nn.Conv1d(C, C, K, groups=C, dilation=config.conv_dilation, bias=False, **kw)
         nn.init.zeros_(self.conv1d.weight)
+        self._pending_prefetch = None      # set by start_prefetch, taken by the next embed
         self.set_backend(backend)
 
     # ---- backend -------------------------------------------------------------------------------
@@ -121,8 +134,29 @@ class PLELayer(nn.Module):
                             f"got {hidden_states.dtype}")
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows of the table for hash ids ``[T, NH]``, concatenated: ``[T, E]`` in ``dtype``."""
-        return self._ops.embedding_lookup(self.ple_embedding.ngram_embedding.weight, ids).to(dtype)
+        """Rows of the table for hash ids ``[T, NH]``, concatenated: ``[T, E]`` in ``dtype``.
+
+        A quantized table is dequantized to ``dtype``; a table in host memory is gathered
+        there; rows fetched by `start_prefetch` for these same ids are used instead of a
+        new lookup (``ple.offload``). All give the bits of the in-memory lookup.
+        """
+        table = self.ple_embedding.ngram_embedding
+        plain = isinstance(table, nn.Embedding) and table.weight.device == ids.device
+        if plain and self._pending_prefetch is None:
+            return self._ops.embedding_lookup(table.weight, ids).to(dtype)
+        return embed_rows(self, ids, dtype)
+
+    def start_prefetch(self, input_ids: torch.Tensor, query_start_loc: torch.Tensor | None = None,
+                       ngram_context: torch.Tensor | None = None) -> None:
+        """Hash the next step's tokens and start fetching their table rows (``ple.offload``).
+
+        Takes the arguments of ``ngram_ids`` (a step's ``batch.input_ids``,
+        ``batch.query_start_loc``, ``batch.ngram_context``). On CUDA the gather and the
+        copy to the device run in the background while the preceding layer runs;
+        without CUDA they run now. The next `forward` / `step` whose ids match uses them
+        (``layer.prefetch_verify = False`` compares shapes only, saving a device sync).
+        """
+        _start_prefetch(self, input_ids, query_start_loc, ngram_context)
 
     def gate(self, embeddings: torch.Tensor, hidden_states: torch.Tensor):
         """Project ``[T, E]`` embeddings to key and value and gate them: ``(gated, conv_input)``."""

@@ -1,0 +1,82 @@
+"""``python -m ple inspect PATH`` and ``python -m ple convert SRC DST``."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .inspect import format_inspect, inspect
+from .save import TABLE_DTYPES, convert
+
+__all__ = ["register"]
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def _inspect(args) -> int:
+    try:
+        report = inspect(args.path, args.config)
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(report, indent=2) if args.json else format_inspect(report))
+    return 1 if any(layer["error"] for layer in report["layers"]) else 0
+
+
+def _convert(args) -> int:
+    merged = {None: None, "merged": True, "separate": False}[args.kv]
+    max_file = None if args.max_file_size is None else _size(args.max_file_size)
+    try:
+        out = convert(args.src, args.dst, config=args.config, parts=args.parts, table_dtype=args.table_dtype,
+                      merged_kv=merged, max_file_bytes=max_file, block_bytes=_size(args.block_size),
+                      overwrite=args.overwrite)
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for prefix, table in zip(out["layers"], out["tables"], strict=True):
+        print(f"{prefix or '(no prefix)'}: table {table}")
+    for f in out["files"]:
+        print(f"wrote {f}")
+    return 0
+
+
+def register(sub) -> None:
+    """Add the ``inspect`` and ``convert`` subcommands to an argparse subparsers object."""
+    p = sub.add_parser("inspect", help="list a checkpoint's PLE layers, tensors and hash-buffer checks",
+                       description="Print the PLE layers of a safetensors checkpoint (file, directory or "
+                                   "index): tensors, shapes, dtypes, bytes, and whether the hash buffers "
+                                   "match the config. Reads headers only. Exit status 1 if a layer would "
+                                   "not load, 2 if the files cannot be read.")
+    p.add_argument("path", help="a .safetensors file or a checkpoint directory")
+    p.add_argument("--config", default=None,
+                   help="config.json or preset name (default: saved in the checkpoint, or a config.json "
+                        "beside it)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=_inspect)
+
+    c = sub.add_parser("convert", help="re-shard a checkpoint's PLE tables or change their dtype (fp8, int8)",
+                       description="Rewrite a checkpoint with its PLE tables re-sharded and/or in another "
+                                   "dtype; every other tensor is copied. Streams blocks, never a whole "
+                                   "table.")
+    c.add_argument("src", help="source .safetensors file or checkpoint directory")
+    c.add_argument("dst", help="destination: a .safetensors file, or a directory")
+    c.add_argument("--config", default=None,
+                   help="config.json or preset name (default: found with the source)")
+    c.add_argument("--parts", type=int, default=None,
+                   help="table shards (0 = whole table; default: unchanged)")
+    c.add_argument("--table-dtype", choices=sorted(TABLE_DTYPES), default=None,
+                   help="table dtype: fp8 (e4m3, per-tensor scale), int8 (per-row scales) or a float dtype")
+    c.add_argument("--kv", choices=["merged", "separate"], default=None,
+                   help="write one merged kv_proj or separate key_proj/value_proj (default: unchanged)")
+    c.add_argument("--max-file-size", default=None, help="split the output into files of at most this size, "
+                                                          "e.g. 5GB (directory output only)")
+    c.add_argument("--block-size", default="256MiB",
+                   help="largest block read at once (default: 256MiB)")
+    c.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at dst")
+    c.set_defaults(func=_convert)

@@ -1,0 +1,155 @@
+"""``inspect``: what a checkpoint holds, from its headers (and the three small hash buffers) only."""
+
+from __future__ import annotations
+
+import re
+
+from ..config import PLEConfig
+from ..reference.hashing import hash_params
+from .files import Checkpoint, dtype_name, human_bytes
+from .layout import BUFFERS, find_layers, plan_layer
+from .load import identify_index, resolve_config
+
+__all__ = ["inspect", "format_inspect"]
+
+_SHARD = re.compile(r"^(.*\.shard_)(\d+)(\..*)$")
+
+
+def _tensor_rows(ckpt: Checkpoint, keys: list[str], prefix: str) -> list[dict]:
+    """One row per tensor, shards of one name collapsed into one row ``shard_{0..n-1}``."""
+    rows: list[dict] = []
+    groups: dict[tuple, dict] = {}
+    for key in keys:
+        info = ckpt.info(key)
+        rel = key[len(prefix):]
+        m = _SHARD.match(rel)
+        if m:
+            g = groups.get((m.group(1), m.group(3)))
+            if g is None:
+                g = dict(key=None, count=0, shapes=[], dtypes=set(), bytes=0, _pat=(m.group(1), m.group(3)),
+                         _ks=[])
+                groups[(m.group(1), m.group(3))] = g
+                rows.append(g)
+            g["count"] += 1
+            g["shapes"].append(list(info.shape))
+            g["dtypes"].add(dtype_name(info.dtype))
+            g["bytes"] += info.nbytes
+            g["_ks"].append(int(m.group(2)))
+        else:
+            rows.append(dict(key=rel, count=1, shapes=[list(info.shape)], dtypes={dtype_name(info.dtype)},
+                             bytes=info.nbytes))
+    out = []
+    for r in rows:
+        if r["key"] is None:
+            a, b = r.pop("_pat")
+            ks = sorted(r.pop("_ks"))
+            r["key"] = f"{a}{{{ks[0]}..{ks[-1]}}}{b}"
+        shapes = r["shapes"]
+        shape = str(shapes[0]) if all(s == shapes[0] for s in shapes) else \
+            f"{shapes[0]} .. {shapes[-1]}"
+        out.append(dict(key=r["key"], count=r["count"], shape=shape, dtype="/".join(sorted(r["dtypes"])),
+                        bytes=r["bytes"]))
+    return out
+
+
+def inspect(path, config=None) -> dict:
+    """A JSON-able description of the checkpoint at ``path``: files, PLE layers and their tensors (shapes,
+    dtypes, bytes), whether the hash buffers match the config, unknown keys, and any problem `load_layer`
+    would raise. Reads headers and the int64 hash buffers only, never a table."""
+    ckpt = Checkpoint.open(path)
+    config_error = None
+    try:
+        cfg: PLEConfig | None = resolve_config(ckpt, config)
+    except (ValueError, TypeError) as e:
+        if config is not None:
+            raise
+        cfg, config_error = None, str(e)                  # a config.json of some other model: go on without
+    layers = find_layers(ckpt)
+    report = dict(path=str(path), files=[dict(name=f.name, bytes=f.stat().st_size) for f in ckpt.files],
+                  total_bytes=ckpt.total_bytes, config=None if cfg is None else cfg.to_dict(),
+                  config_error=config_error, layers=[])
+    claimed = set()
+    for pos, prefix in enumerate(layers):
+        keys = [k for k in ckpt.keys() if k.startswith(prefix)]
+        claimed.update(keys)
+        entry = dict(prefix=prefix, tensors=_tensor_rows(ckpt, keys, prefix),
+                     bytes=sum(ckpt.info(k).nbytes for k in keys), ple_layer_index=None, buffers=[],
+                     unknown=[], error=None, table=None)
+        if cfg is not None:
+            index = identify_index(ckpt, prefix, cfg)
+            if index is None and len(layers) == cfg.num_ple_layers:
+                index = pos
+            entry["ple_layer_index"] = index
+            if index is None:
+                entry["error"] = (f"{prefix}{BUFFERS[0]}: matches no PLE index of the config "
+                                  f"{list(hash_params(cfg, 0).multipliers.tolist())}...")
+            else:
+                try:
+                    plan_layer(ckpt, cfg, index, prefix)                 # what load_layer would raise
+                except ValueError as e:
+                    entry["error"] = str(e)
+                try:
+                    plan = plan_layer(ckpt, cfg, index, prefix, check_buffers=False)
+                except ValueError:
+                    pass
+                else:
+                    entry["buffers"] = [dict(key=b.key, status=b.status, expected=b.expected, found=b.found)
+                                        for b in plan.buffers]
+                    entry["unknown"] = [k[len(prefix):] for k in plan.unknown]
+                    kind = "float" if plan.scheme is None else plan.scheme.name
+                    entry["table"] = dict(rows=plan.num_rows, dim=plan.dim, scheme=kind, parts=plan.parts,
+                                          dtype=dtype_name(plan.table_dtype), merged_kv=plan.merged_kv)
+        report["layers"].append(entry)
+    others = [k for k in ckpt.keys() if k not in claimed]
+    report["other"] = dict(count=len(others), bytes=sum(ckpt.info(k).nbytes for k in others))
+    return report
+
+
+def format_inspect(report: dict) -> str:
+    """The text `python -m ple inspect` prints."""
+    lines = []
+    files = report["files"]
+    lines.append(f"checkpoint: {report['path']}  ({len(files)} file{'s' * (len(files) != 1)}, "
+                 f"{human_bytes(report['total_bytes'])})")
+    cfg = report["config"]
+    if cfg is None:
+        why = f" ({report['config_error']})" if report.get("config_error") else ""
+        lines.append(f"config: none found{why}; pass --config; hash buffers not checked")
+    else:
+        lines.append(f"config: V={cfg['vocab_size']} H={cfg['hidden_size']} M={cfg['hc_count']} "
+                     f"E={cfg['ple_embed_dim']} N={cfg['ngram_size']} P={cfg['heads_per_ngram']} "
+                     f"ple_layer_ids={cfg['ple_layer_ids']} split_ngram_parts={cfg['split_ngram_parts']}")
+    if not report["layers"]:
+        lines.append("no PLE layer found")
+    for layer in report["layers"]:
+        idx = layer["ple_layer_index"]
+        lines.append("")
+        lines.append(f"PLE layer {'?' if idx is None else idx}: prefix {layer['prefix']!r}  "
+                     f"({human_bytes(layer['bytes'])})")
+        t = layer["table"]
+        if t is not None:
+            where = f"{t['parts']} shards" if t["parts"] else "whole"
+            lines.append(f"  table: {t['rows']} rows x {t['dim']}, {t['dtype']} ({t['scheme']}), {where}; "
+                         f"projections {'merged kv_proj' if t['merged_kv'] else 'key_proj + value_proj'}")
+        width = max([len(r["key"]) for r in layer["tensors"]] + [10])
+        lines.append(f"  {'tensor':<{width}}  {'shape':<22} {'dtype':<14} {'bytes':>12}")
+        for r in layer["tensors"]:
+            count = f"  ({r['count']} shards)" if r["count"] > 1 else ""
+            size = human_bytes(r["bytes"])
+            lines.append(f"  {r['key']:<{width}}  {r['shape']:<22} {r['dtype']:<14} {size:>12}{count}")
+        for b in layer["buffers"]:
+            if b["status"] == "match":
+                lines.append(f"  {b['key']}: matches the config")
+            elif b["status"] == "missing":
+                lines.append(f"  {b['key']}: MISSING (load computes it from the config)")
+            else:
+                lines.append(f"  {b['key']}: MISMATCH: expected {b['expected']}, found {b['found']}")
+        if layer["unknown"]:
+            lines.append(f"  unknown keys (skipped on load): {layer['unknown']}")
+        if layer["error"]:
+            lines.append(f"  ERROR (load would fail): {layer['error']}")
+    other = report["other"]
+    if other["count"]:
+        lines.append("")
+        lines.append(f"other tensors: {other['count']} ({human_bytes(other['bytes'])})")
+    return "\n".join(lines)

@@ -1,0 +1,287 @@
+"""The model's checkpoint layout of a PLE layer, and the validation of one layer's tensors.
+
+Keys, under a per-layer prefix (the model's is ``model.language_model.layers.{i}.ple.``)::
+
+    ple_embedding.ngram_embedding.weight              [rows, D]   the table, unsharded, or
+    ple_embedding.ngram_embedding.shard_{k}.weight    [n_k, D]    k = 0..parts-1; shard k holds rows
+                                                                  [k*ceil(rows/parts), ...) (the last
+                                                                  shards may be short or empty)
+    ple_embedding.ngram_embedding.weight_scale        [1] f32     FP8 table: the per-tensor scale
+    ple_embedding.ngram_embedding[.shard_{k}].weight_scale  [n, 1] f32   int8 table: per-row scales,
+                                                                  sharded like the table
+    ple_embedding.layer_multipliers                   [N]   int64 \
+    ple_embedding.ngram_heads_vocab_sizes             [NH]  int64  } must equal hash_params(config, L)
+    ple_embedding.ngram_heads_offsets                 [NH]  int64 /
+    key_proj.weight [C, E] and value_proj.weight [H, E], or kv_proj.weight [C + H, E] (key rows first);
+        an FP8 projection comes with its float32 ``<name>.weight_scale``: one value, one per row
+        ([rows] or [rows, 1]), or for kv_proj one per part ([2]: key rows, value rows); the loader
+        dequantizes it to the model dtype
+    norm_key.weight, norm_query.weight, norm_conv.weight   [C]
+    conv1d.weight                                     [C, 1, K]
+
+`plan_layer` checks every key of one layer against a config without reading the
+table, and returns a `LayerPlan` that says where every row lives.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import PLEConfig
+from ..quant import Scheme, scheme_of
+from ..reference.hashing import hash_params
+from .files import Checkpoint, dtype_name
+
+__all__ = [
+    "TABLE", "TABLE_SCALE", "SHARD", "SHARD_SCALE", "BUFFERS", "KEY_PROJ", "VALUE_PROJ", "KV_PROJ", "NORMS",
+    "CONV", "MODEL_PREFIX", "model_prefix", "shard_rows", "find_layers", "LayerPlan", "TablePiece",
+    "plan_layer", "BufferCheck",
+]
+
+TABLE = "ple_embedding.ngram_embedding.weight"
+TABLE_SCALE = "ple_embedding.ngram_embedding.weight_scale"
+SHARD = "ple_embedding.ngram_embedding.shard_{k}.weight"
+SHARD_SCALE = "ple_embedding.ngram_embedding.shard_{k}.weight_scale"
+BUFFERS = ("ple_embedding.layer_multipliers", "ple_embedding.ngram_heads_vocab_sizes",
+           "ple_embedding.ngram_heads_offsets")
+KEY_PROJ, VALUE_PROJ, KV_PROJ = "key_proj.weight", "value_proj.weight", "kv_proj.weight"
+NORMS = ("norm_key.weight", "norm_query.weight", "norm_conv.weight")
+CONV = "conv1d.weight"
+MODEL_PREFIX = "model.language_model.layers.{i}.ple."
+"""The model's prefix; ``{i}`` is the 0-based decoder layer, ``ple_layer_ids[L] - 1`` for PLE index L."""
+
+_SHARD_RE = re.compile(r"^ple_embedding\.ngram_embedding\.shard_(\d+)\.(weight|weight_scale)$")
+_LAYER_RE = re.compile(r"^((?:.*\.)?)ple_embedding\."
+                       r"(?:ngram_embedding\.(?:shard_\d+\.)?weight|layer_multipliers)$")
+
+
+def model_prefix(config: PLEConfig, ple_layer_index: int) -> str:
+    """The model's key prefix of PLE layer ``ple_layer_index``: ``model.language_model.layers.{i}.ple.``."""
+    return MODEL_PREFIX.format(i=config.ple_layer_ids[ple_layer_index] - 1)
+
+
+def shard_rows(num_rows: int, parts: int) -> list[tuple[int, int]]:
+    """Row ranges ``[start, stop)`` of ``parts`` shards: shard k starts at ``k * ceil(num_rows / parts)``."""
+    if parts < 1:
+        raise ValueError(f"parts: expected an int >= 1, got {parts}")
+    size = -(-num_rows // parts)
+    return [(min(k * size, num_rows), min((k + 1) * size, num_rows)) for k in range(parts)]
+
+
+def _natural(s: str):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
+
+
+def find_layers(ckpt: Checkpoint) -> list[str]:
+    """Prefixes of the PLE layers in ``ckpt`` (those with a table, a shard or the multipliers), in layer
+    order (numbers in the prefix compared as numbers)."""
+    prefixes = set()
+    for key in ckpt.keys():
+        m = _LAYER_RE.match(key)
+        if m:
+            prefixes.add(m.group(1))
+    return sorted(prefixes, key=_natural)
+
+
+@dataclass(frozen=True)
+class TablePiece:
+    """Rows ``[start, stop)`` of the table are ``key`` (and, per row, ``scale_key``) in the checkpoint."""
+
+    start: int
+    stop: int
+    key: str
+    scale_key: str | None = None
+
+
+@dataclass(frozen=True)
+class BufferCheck:
+    key: str
+    status: str                 # "match", "mismatch", "missing"
+    expected: list
+    found: list | None
+
+
+@dataclass
+class LayerPlan:
+    """One validated PLE layer of a checkpoint: where its tensors are and what they hold."""
+
+    prefix: str
+    config: PLEConfig
+    ple_layer_index: int
+    num_rows: int
+    dim: int
+    table_dtype: torch.dtype
+    scheme: Scheme | None                    # None: a float table
+    pieces: list[TablePiece]                 # in row order, covering [0, num_rows)
+    sharded: bool
+    scale_key: str | None                    # the per-tensor FP8 scale
+    merged_kv: bool
+    model_dtype: torch.dtype                 # dtype of the projections (of the norms if they are FP8)
+    buffers: list[BufferCheck]
+    unknown: list[str] = field(default_factory=list)   # full keys, skipped
+    proj_scales: dict = field(default_factory=dict)    # FP8 projection key -> its weight_scale key
+
+    @property
+    def parts(self) -> int:
+        return len(self.pieces) if self.sharded else 0
+
+
+def _fail(prefix: str, key: str, msg: str):
+    raise ValueError(f"{prefix}{key}: {msg}")
+
+
+def _expect(ckpt: Checkpoint, prefix: str, key: str, shape: tuple, *, kind: str = "float", what: str = ""):
+    full = prefix + key
+    if full not in ckpt:
+        _fail(prefix, key, f"missing from the checkpoint (expected {what or 'a tensor'} of shape "
+                           f"{list(shape)})")
+    info = ckpt.info(full)
+    if info.shape != tuple(shape):
+        _fail(prefix, key, f"expected shape {list(shape)}, got {list(info.shape)} (in {info.file.name})")
+    if kind == "float" and (not info.dtype.is_floating_point or scheme_of(info.dtype) is not None):
+        _fail(prefix, key, f"expected a float tensor (bfloat16, float16 or float32), got "
+                           f"{dtype_name(info.dtype)}")
+    if kind == "int64" and info.dtype != torch.int64:
+        _fail(prefix, key, f"expected int64, got {dtype_name(info.dtype)}")
+    return info
+
+
+def plan_layer(ckpt: Checkpoint, config: PLEConfig, ple_layer_index: int, prefix: str, *,
+               check_buffers: bool = True) -> LayerPlan:
+    """Check one layer's keys, shapes and dtypes against ``config`` and return where its tensors are.
+
+    Reads only the file headers and the three small int64 buffers. Any problem is a
+    ``ValueError`` naming the key. Missing buffers are allowed (the loader computes them
+    from the config) and listed as ``"missing"``; buffers that differ from
+    ``hash_params(config, ple_layer_index)`` are an error unless ``check_buffers=False``
+    (``inspect`` reports them instead).
+    """
+    p = hash_params(config, ple_layer_index)
+    C, H, E, K = config.hc_hidden_size, config.hidden_size, config.ple_embed_dim, config.ple_conv_kernel_size
+    rows, D = p.num_rows, config.ngram_head_dim
+    mine = [k[len(prefix):] for k in ckpt.keys() if k.startswith(prefix)]
+    known: set[str] = set()
+
+    # ---- the hash buffers first: they tell which layer this is --------------------------------------
+    checks = []
+    for key, want in zip(BUFFERS, (p.multipliers, p.head_sizes, p.head_offsets), strict=True):
+        known.add(key)
+        want = want.tolist()
+        if prefix + key not in ckpt:
+            checks.append(BufferCheck(key, "missing", want, None))
+            continue
+        _expect(ckpt, prefix, key, (len(want),), kind="int64")
+        got = ckpt.read(prefix + key).tolist()
+        status = "match" if got == want else "mismatch"
+        if status == "mismatch" and check_buffers:
+            _fail(prefix, key, f"does not match the config (PLE index {ple_layer_index}): expected {want}, "
+                               f"got {got}; wrong config, wrong PLE index, or a corrupt file")
+        checks.append(BufferCheck(key, status, want, got))
+
+    # ---- the table -------------------------------------------------------------------------------
+    shards: dict[int, str] = {}
+    shard_scales: dict[int, str] = {}
+    for k in mine:
+        m = _SHARD_RE.match(k)
+        if m:
+            (shards if m.group(2) == "weight" else shard_scales)[int(m.group(1))] = k
+    if TABLE in mine and shards:
+        _fail(prefix, TABLE, f"the table is given both whole and as {len(shards)} shards; expected one of "
+                             f"the two")
+    if TABLE in mine:
+        keys = [TABLE]
+        ranges = [(0, rows)]
+    elif shards:
+        parts = max(shards) + 1
+        gaps = [k for k in range(parts) if k not in shards]
+        if gaps:
+            _fail(prefix, SHARD.format(k=gaps[0]), f"missing: shards 0..{parts - 1} were found except {gaps}")
+        keys = [shards[k] for k in range(parts)]
+        ranges = shard_rows(rows, parts)
+    else:
+        _fail(prefix, TABLE, f"missing from the checkpoint (expected the table [{rows}, {D}] whole, or as "
+                             f"shards {SHARD.format(k='k')})")
+    dtypes = set()
+    for key, (a, b) in zip(keys, ranges, strict=True):
+        info = ckpt.info(prefix + key)
+        if info.shape != (b - a, D):
+            what = f"rows [{a}, {b}) of the {rows}-row table" if key != TABLE else f"the {rows}-row table"
+            _fail(prefix, key, f"expected shape {[b - a, D]} ({what}, D = {D}), got {list(info.shape)}")
+        dtypes.add(info.dtype)
+    if len(dtypes) != 1:
+        _fail(prefix, keys[0], f"all shards must share one dtype, got "
+                               f"{sorted(dtype_name(d) for d in dtypes)}")
+    table_dtype = dtypes.pop()
+    scheme = scheme_of(table_dtype)
+    if scheme is None and not table_dtype.is_floating_point:
+        _fail(prefix, keys[0], f"expected a float, float8_e4m3fn or int8 table, got "
+                               f"{dtype_name(table_dtype)}")
+    known.update(keys)
+
+    scale_key = None
+    pieces = []
+    if scheme is not None and scheme.per_row:
+        scale_keys = [TABLE_SCALE] if keys == [TABLE] else [SHARD_SCALE.format(k=k) for k in range(len(keys))]
+        for sk, (a, b) in zip(scale_keys, ranges, strict=True):
+            info = ckpt.info(prefix + sk) if prefix + sk in ckpt else None
+            if info is None:
+                _fail(prefix, sk, f"missing: an int8 table needs per-row float32 scales [{b - a}, 1]")
+            if info.shape != (b - a, 1) or info.dtype != torch.float32:
+                _fail(prefix, sk, f"expected float32 [{b - a}, 1] per-row scales, got "
+                                  f"{dtype_name(info.dtype)} {list(info.shape)}")
+        known.update(scale_keys)
+        pieces = [TablePiece(a, b, prefix + k, prefix + s)
+                  for k, s, (a, b) in zip(keys, scale_keys, ranges, strict=True)]
+    else:
+        pieces = [TablePiece(a, b, prefix + k) for k, (a, b) in zip(keys, ranges, strict=True)]
+        if scheme is not None:                                   # fp8: one per-tensor scale
+            if prefix + TABLE_SCALE not in ckpt:
+                _fail(prefix, TABLE_SCALE, "missing: an FP8 table needs its per-tensor float32 scale")
+            info = ckpt.info(prefix + TABLE_SCALE)
+            if info.numel != 1 or len(info.shape) > 1 or info.dtype != torch.float32:
+                _fail(prefix, TABLE_SCALE, f"expected one float32 scale ([] or [1]), got "
+                                           f"{dtype_name(info.dtype)} {list(info.shape)}")
+            scale_key = prefix + TABLE_SCALE
+            known.add(TABLE_SCALE)
+    stray = [k for k in mine if (k == TABLE_SCALE or k in shard_scales.values()) and k not in known]
+    if stray:
+        _fail(prefix, stray[0], f"a scale for a {dtype_name(table_dtype)} table; expected none "
+                                f"(FP8 tables have one {TABLE_SCALE}, int8 tables per-row scales)")
+
+    # ---- projections, norms, conv ------------------------------------------------------------------
+    if KV_PROJ in mine and (KEY_PROJ in mine or VALUE_PROJ in mine):
+        _fail(prefix, KV_PROJ, f"found together with {KEY_PROJ} / {VALUE_PROJ}; expected the merged "
+                               f"projection or the separate ones, not both")
+    merged = KV_PROJ in mine
+    shapes = {KV_PROJ: (C + H, E)} if merged else {KEY_PROJ: (C, E), VALUE_PROJ: (H, E)}
+    proj_scales = {}
+    for key, shape in shapes.items():
+        full = prefix + key
+        fp8 = full in ckpt and ckpt.info(full).dtype == torch.float8_e4m3fn
+        _expect(ckpt, prefix, key, shape, kind="any" if fp8 else "float",
+                what="the merged [key; value] projection" if key == KV_PROJ else "")
+        known.add(key)
+        if fp8:
+            sk = key.removesuffix("weight") + "weight_scale"
+            allowed = [(), (1,), (shape[0],), (shape[0], 1)] + ([(2,)] if key == KV_PROJ else [])
+            info = ckpt.info(prefix + sk) if prefix + sk in ckpt else None
+            if info is None or info.dtype != torch.float32 or info.shape not in allowed:
+                got = "missing" if info is None else f"{dtype_name(info.dtype)} {list(info.shape)}"
+                _fail(prefix, sk, f"an FP8 {key} needs a float32 scale of shape one of "
+                                  f"{[list(a) for a in allowed]}, got {got}")
+            proj_scales[key] = sk
+            known.add(sk)
+    for n in NORMS:
+        norm = _expect(ckpt, prefix, n, (C,))
+    _expect(ckpt, prefix, CONV, (C, 1, K))
+    known.update(NORMS + (CONV,))
+
+    unknown = [prefix + k for k in mine if k not in known]
+    return LayerPlan(prefix=prefix, config=config, ple_layer_index=ple_layer_index, num_rows=rows, dim=D,
+                     table_dtype=table_dtype, scheme=scheme, pieces=pieces, sharded=keys != [TABLE],
+                     scale_key=scale_key, merged_kv=merged, buffers=checks, unknown=unknown,
+                     model_dtype=norm.dtype if proj_scales else ckpt.info(prefix + next(iter(shapes))).dtype,
+                     proj_scales=proj_scales)

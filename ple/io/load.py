@@ -1,0 +1,265 @@
+"""Loading PLE layers from safetensors checkpoints in the model's layout (see ``ple.io.layout``)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import _checks
+from ..config import PLEConfig
+from ..layer import PLELayer
+from ..quant import QuantizedEmbedding
+from ..reference.hashing import hash_params
+from .files import Checkpoint, dtype_name
+from .layout import (
+    BUFFERS,
+    CONV,
+    KEY_PROJ,
+    KV_PROJ,
+    NORMS,
+    TABLE,
+    TABLE_SCALE,
+    VALUE_PROJ,
+    LayerPlan,
+    find_layers,
+    model_prefix,
+    plan_layer,
+)
+
+__all__ = ["LoadReport", "load_layer", "load_layers", "resolve_config", "select_prefix", "identify_index",
+           "read_table", "CONFIG_METADATA_KEY", "BLOCK_BYTES"]
+
+CONFIG_METADATA_KEY = "ple.config"
+"""safetensors metadata key under which ``ple.io.save`` stores the config (JSON)."""
+
+BLOCK_BYTES = 256 << 20
+"""Default largest block read (or written) at once: tables move through memory in blocks this size."""
+
+
+@dataclass
+class LoadReport:
+    """What `load_layer` found: the layer's prefix and layout, and what it skipped or filled in."""
+
+    prefix: str
+    ple_layer_index: int
+    table: str                                   # e.g. "4 shards, bfloat16" or "whole, float8_e4m3fn"
+    merged_kv: bool
+    skipped: list[str] = field(default_factory=list)           # unknown (legacy) keys, not loaded
+    computed_buffers: list[str] = field(default_factory=list)  # hash buffers absent from the file
+
+
+# ---- config and prefix ----------------------------------------------------------------------------
+def resolve_config(ckpt: Checkpoint, config=None) -> PLEConfig | None:
+    """``config`` as a `PLEConfig` (a PLEConfig, a dict, a preset name or a JSON path), else the config
+    saved in the checkpoint's metadata, else ``config.json`` next to its files, else None."""
+    if isinstance(config, PLEConfig):
+        return config
+    if isinstance(config, dict):
+        return PLEConfig.from_dict(config)
+    if isinstance(config, str) and not config.endswith(".json") and not Path(config).exists():
+        return PLEConfig.preset(config)
+    if config is not None:
+        return PLEConfig.from_json(config)
+    raw = ckpt.metadata.get(CONFIG_METADATA_KEY)
+    if raw is not None:
+        return PLEConfig.from_dict(json.loads(raw))
+    for d in dict.fromkeys([ckpt.root] + [f.parent for f in ckpt.files]):
+        path = d / "config.json"
+        if path.exists():
+            try:
+                return PLEConfig.from_json(path)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"config: {path} is not a PLE model config: {e}") from None
+    return None
+
+
+def _require_config(ckpt: Checkpoint, config) -> PLEConfig:
+    cfg = resolve_config(ckpt, config)
+    if cfg is None:
+        raise ValueError(f"config: not given, and the checkpoint at {ckpt.root} has neither a saved config "
+                         f"nor a config.json; pass config= (a PLEConfig, a config.json path or a preset "
+                         f"name)")
+    return cfg
+
+
+def identify_index(ckpt: Checkpoint, prefix: str, config: PLEConfig) -> int | None:
+    """The PLE index whose multipliers the layer at ``prefix`` holds, or None (absent or matching none)."""
+    key = prefix + BUFFERS[0]
+    if key not in ckpt or ckpt.info(key).dtype != torch.int64:
+        return None
+    got = ckpt.read(key).tolist()
+    for index in range(config.num_ple_layers):
+        if hash_params(config, index).multipliers.tolist() == got:
+            return index
+    return None
+
+
+def select_prefix(ckpt: Checkpoint, config: PLEConfig, ple_layer_index: int,
+                  prefix: str | None = None) -> str:
+    """The prefix of PLE layer ``ple_layer_index`` in ``ckpt``.
+
+    An explicit ``prefix`` wins. Otherwise: the only layer of a one-layer checkpoint;
+    else the layer whose multipliers are those of ``ple_layer_index``; else, when the
+    checkpoint holds as many layers as the config, the one at that position.
+    """
+    layers = find_layers(ckpt)
+    if prefix is not None:
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix: expected a str, got {type(prefix).__name__}")
+        if not any(k.startswith(prefix) for k in ckpt.keys()):
+            raise ValueError(f"prefix: no key starts with {prefix!r}; PLE layers found: {layers}")
+        return prefix
+    if not layers:
+        raise ValueError(f"path: no PLE layer in the checkpoint at {ckpt.root} (no key ending in {TABLE}, "
+                         f"ple_embedding.ngram_embedding.shard_{{k}}.weight or {BUFFERS[0]})")
+    if len(layers) == 1:
+        return layers[0]
+    for p in layers:
+        if identify_index(ckpt, p, config) == ple_layer_index:
+            return p
+    if len(layers) == config.num_ple_layers:
+        return layers[ple_layer_index]
+    if model_prefix(config, ple_layer_index) in layers:
+        return model_prefix(config, ple_layer_index)
+    raise ValueError(f"prefix: the checkpoint holds {len(layers)} PLE layers {layers} and none is "
+                     f"recognisably PLE index {ple_layer_index} of the config ({config.num_ple_layers} "
+                     f"layers); pass prefix=")
+
+
+# ---- reading ------------------------------------------------------------------------------------
+def _block_rows(row_bytes: int, block_bytes: int) -> int:
+    return max(1, block_bytes // max(row_bytes, 1))
+
+
+def read_table(ckpt: Checkpoint, plan: LayerPlan, *, dtype: torch.dtype | None = None, device=None,
+               pin: bool = False, block_bytes: int = BLOCK_BYTES):
+    """The table of ``plan`` read into one preallocated ``[rows, D]`` tensor: ``(weight, scale or None)``.
+
+    Shards are read block by block (at most ``block_bytes`` at a time) straight into
+    the destination, which may be a GPU tensor or pinned host memory, so the table is
+    never held twice. A float table is cast to ``dtype`` (default: its own); a quantized
+    one keeps its dtype and comes with its float32 scale(s).
+    """
+    quant = plan.scheme is not None
+    tdtype = plan.table_dtype if quant or dtype is None else dtype
+    weight = torch.empty((plan.num_rows, plan.dim), dtype=tdtype, device=device, pin_memory=pin)
+    scale = None
+    if quant and plan.scheme.per_row:
+        scale = torch.empty((plan.num_rows, 1), dtype=torch.float32, device=device, pin_memory=pin)
+    elif quant:
+        scale = ckpt.read(plan.scale_key).reshape(1).to(device)
+    n = _block_rows(plan.dim * plan.table_dtype.itemsize, block_bytes)
+    for piece in plan.pieces:
+        for a, block in ckpt.read_rows(piece.key, 0, piece.stop - piece.start, block_rows=n):
+            weight[piece.start + a: piece.start + a + block.shape[0]].copy_(block)
+        if piece.scale_key is not None:
+            for a, block in ckpt.read_rows(piece.scale_key, 0, piece.stop - piece.start, block_rows=n):
+                scale[piece.start + a: piece.start + a + block.shape[0]].copy_(block)
+    return weight, scale
+
+
+def _state_dict(ckpt: Checkpoint, plan: LayerPlan, *, device, dtype, table_device, pin, block_bytes) -> dict:
+    cfg = plan.config
+    p = plan.prefix
+
+    def small(key):
+        t = ckpt.read(p + key)
+        if key in plan.proj_scales:                            # an FP8 projection: dequantize
+            scale = ckpt.read(p + plan.proj_scales[key]).float()
+            if key == KV_PROJ and scale.numel() == 2:           # merged kv_proj: one scale per part
+                scale = torch.cat([scale[:1].expand(cfg.hc_hidden_size), scale[1:].expand(cfg.hidden_size)])
+            scale = scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(())
+            t = t.float() * scale
+        return t.to(device=device, dtype=dtype)
+
+    sd = {}
+    weight, scale = read_table(ckpt, plan, dtype=dtype, device=table_device, pin=pin, block_bytes=block_bytes)
+    sd[TABLE] = weight
+    if scale is not None:
+        per_row = plan.scheme.per_row
+        sd[TABLE_SCALE] = scale if per_row else scale.to(device)
+    for check in plan.buffers:
+        values = check.found if check.found is not None else check.expected
+        sd[check.key] = torch.tensor(values, dtype=torch.int64, device=device)
+    if plan.merged_kv:
+        kv = small(KV_PROJ)
+        sd[KEY_PROJ], sd[VALUE_PROJ] = kv[: cfg.hc_hidden_size].clone(), kv[cfg.hc_hidden_size:].clone()
+    else:
+        sd[KEY_PROJ], sd[VALUE_PROJ] = small(KEY_PROJ), small(VALUE_PROJ)
+    for key in NORMS + (CONV,):
+        sd[key] = small(key)
+    return sd
+
+
+def load_layer(path, config=None, ple_layer_index: int = 0, *, prefix: str | None = None,
+               backend: str = "reference", device=None, dtype: torch.dtype | None = None,
+               offload: bool = False, block_bytes: int = BLOCK_BYTES, return_report: bool = False):
+    """Load PLE layer ``ple_layer_index`` from a safetensors checkpoint.
+
+    ``path``: a ``.safetensors`` file, a directory of them (with or without
+    ``model.safetensors.index.json``), or a list of files. ``config``: a `PLEConfig`,
+    a dict, a ``config.json`` path or a preset name; default: the config saved in the
+    checkpoint, else ``config.json`` beside it. ``prefix``: the layer's key prefix
+    (default: found, see `select_prefix`; the model's is
+    ``model.language_model.layers.{i}.ple.``).
+
+    Every key is checked before anything large is read: a missing or mis-shaped tensor,
+    a table given both whole and sharded or with a missing shard, hash buffers that
+    differ from the config, or a truncated file raise ``ValueError`` naming the key.
+    Unknown keys under the prefix are skipped with a warning; hash buffers absent from
+    the file are computed from the config, with a warning.
+
+    The table (whole, or ``split_ngram_parts``-style shards) is read block by block into
+    one preallocated tensor; FP8 and int8 tables stay quantized (``ple.quant``). A merged
+    ``kv_proj.weight`` is split into ``key_proj`` / ``value_proj``. ``dtype``: the dtype
+    of the float tensors (default: that of the projections in the file). ``offload``:
+    keep the table in host memory, pinned where CUDA exists (``ple.offload``), and put
+    the rest on ``device``. Returns the layer, or ``(layer, LoadReport)`` with
+    ``return_report``.
+    """
+    ckpt = Checkpoint.open(path)
+    cfg = _require_config(ckpt, config)
+    _checks.int_arg("ple_layer_index", ple_layer_index, minimum=0)
+    if ple_layer_index >= cfg.num_ple_layers:
+        raise ValueError(f"ple_layer_index: the config has {cfg.num_ple_layers} PLE layer(s), got "
+                         f"{ple_layer_index}")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype: expected a torch float dtype, got {dtype!r}")
+    _checks.int_arg("block_bytes", block_bytes, minimum=1)
+    pfx = select_prefix(ckpt, cfg, ple_layer_index, prefix)
+    plan = plan_layer(ckpt, cfg, ple_layer_index, pfx)
+    dtype = dtype or plan.model_dtype
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    table_device = torch.device("cpu") if offload else device
+    pin = offload and torch.cuda.is_available()
+
+    report = LoadReport(pfx, ple_layer_index, table=f"{f'{plan.parts} shards' if plan.sharded else 'whole'}, "
+                                                    f"{dtype_name(plan.table_dtype)}",
+                        merged_kv=plan.merged_kv, skipped=list(plan.unknown),
+                        computed_buffers=[b.key for b in plan.buffers if b.status == "missing"])
+    if report.skipped:
+        warnings.warn(f"load_layer: skipped {len(report.skipped)} unknown key(s) under {pfx!r}: "
+                      f"{report.skipped[:8]}{' ...' if len(report.skipped) > 8 else ''}", stacklevel=2)
+    if report.computed_buffers:
+        warnings.warn(f"load_layer: {report.computed_buffers} absent under {pfx!r}; computed from the config",
+                      stacklevel=2)
+
+    sd = _state_dict(ckpt, plan, device=device, dtype=dtype, table_device=table_device, pin=pin,
+                     block_bytes=block_bytes)
+    layer = PLELayer(cfg, ple_layer_index, backend=backend, device="meta", dtype=dtype)
+    if plan.scheme is not None:
+        layer.ple_embedding.ngram_embedding = QuantizedEmbedding.empty(plan.num_rows, plan.dim, plan.scheme,
+                                                                       device="meta")
+    layer.load_state_dict(sd, strict=True, assign=True)
+    return (layer, report) if return_report else layer
+
+
+def load_layers(path, config=None, **kwargs) -> list[PLELayer]:
+    """Every PLE layer of the config, in PLE-index order (keyword arguments as for `load_layer`)."""
+    ckpt = Checkpoint.open(path)
+    cfg = _require_config(ckpt, config)
+    return [load_layer(ckpt, cfg, i, **kwargs) for i in range(cfg.num_ple_layers)]

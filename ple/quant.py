@@ -1,0 +1,250 @@
+"""Quantized n-gram tables: FP8 e4m3 with one per-tensor scale, int8 with one scale per row.
+
+A quantized table keeps the model's key names: ``ple_embedding.ngram_embedding.weight``
+holds the quantized values and ``ple_embedding.ngram_embedding.weight_scale`` the float32
+scale(s). A row's values are ``weight[r].float() * scale``:
+
+========  ==================  ========================  ==============================
+scheme    ``weight``          ``weight_scale``          scale
+========  ==================  ========================  ==============================
+``fp8``   float8_e4m3fn       ``[1]`` float32           ``max|table| / 448`` (the model's
+                                                        per-tensor convention)
+``int8``  int8                ``[rows, 1]`` float32     ``max|row| / 127``, per row
+========  ==================  ========================  ==============================
+
+The lookup gathers *quantized* rows (`quantized_lookup`: raw bytes, so any gather
+kernel, e.g. ``ple.fast.embedding_lookup``, moves them bit for bit) and `dequantize_rows`
+turns them into the model dtype: ``(q.float() * scale).to(dtype)``, one rounding. The
+reference (`reference_lookup`) dequantizes the whole table first and then looks up;
+both give the same bits.
+
+Error against the float table ``w`` (bounds asserted elementwise by `error_bound` in
+``tests/test_quant_offload.py``; measured there by ``test_error_report`` on a bfloat16
+normal(0, 1) table of 4096 rows of D = 160):
+
+* fp8 e4m3, per-tensor scale ``s``: in float32, ``|deq - w| <= 2**-4 * |w| + 2**-10 * s``
+  (3 mantissa bits, round to nearest; ``2**-10 * s`` is half the subnormal step, for
+  values below ``2**-6 * s``). Measured: max relative error 0.058 (bfloat16 output:
+  0.061), mean 0.023.
+* int8, per-row scale: ``|deq - w| <= max|row| / 254`` in float32 (half a step of
+  ``max|row| / 127``). Measured: max error / max|row| 0.0039 (bfloat16 output: 0.0073,
+  where the output rounding dominates), mean absolute error 0.0057.
+
+Dequantizing to bfloat16 adds the output rounding, at most ``2**-8 * |deq|``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "Scheme", "SCHEMES", "scheme_of", "quantize", "fp8_scale", "dequantize", "dequantize_rows",
+    "quantized_lookup", "reference_lookup", "error_bound", "QuantizedEmbedding",
+]
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One quantization scheme of the table."""
+
+    name: str
+    dtype: torch.dtype        # dtype of ``weight``
+    qmax: float               # largest magnitude of a quantized value
+    per_row: bool             # one scale per row (``[rows, 1]``) or one per tensor (``[1]``)
+
+
+SCHEMES: dict[str, Scheme] = {
+    "fp8": Scheme("fp8", torch.float8_e4m3fn, 448.0, per_row=False),
+    "int8": Scheme("int8", torch.int8, 127.0, per_row=True),
+}
+
+
+def scheme_of(dtype: torch.dtype) -> Scheme | None:
+    """The scheme whose quantized dtype is ``dtype``, or None for an unquantized (float) dtype."""
+    for s in SCHEMES.values():
+        if s.dtype == dtype:
+            return s
+    return None
+
+
+def _scheme(scheme) -> Scheme:
+    if isinstance(scheme, Scheme):
+        return scheme
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme: expected one of {sorted(SCHEMES)}, got {scheme!r}")
+    return SCHEMES[scheme]
+
+
+def fp8_scale(amax: float | torch.Tensor) -> torch.Tensor:
+    """The per-tensor FP8 scale ``[1]`` float32 for a table whose largest magnitude is ``amax``."""
+    amax = torch.as_tensor(amax, dtype=torch.float32).reshape(1)
+    return torch.where(amax > 0, amax / SCHEMES["fp8"].qmax, torch.ones_like(amax))
+
+
+def quantize(table: torch.Tensor, scheme, *, scale: torch.Tensor | None = None):
+    """Quantize a float table ``[rows, D]``: returns ``(weight, weight_scale)``.
+
+    ``fp8``: ``weight_scale`` is ``[1]``, ``max|table| / 448`` unless ``scale`` is given
+    (so a table quantized in chunks, as ``python -m ple convert`` does, gets the same bits
+    as when quantized whole). ``int8``: ``weight_scale`` is ``[rows, 1]``,
+    ``max|row| / 127`` (1 for an all-zero row); rows are independent, so chunks never
+    need a shared scale. Values are divided by the scale in float32, rounded to nearest
+    and saturated at the scheme's range.
+    """
+    s = _scheme(scheme)
+    if not isinstance(table, torch.Tensor) or table.dim() != 2 or not table.dtype.is_floating_point \
+            or scheme_of(table.dtype) is not None:
+        what = f"{table.dtype} {tuple(table.shape)}" if isinstance(table, torch.Tensor) \
+            else type(table).__name__
+        raise ValueError(f"table: expected a 2-D float tensor (bfloat16, float16 or float32), got {what}")
+    x = table.detach().float()
+    if s.per_row:
+        if scale is not None:
+            raise ValueError("scale: int8 scales are per row and computed from the rows; pass scale=None")
+        amax = x.abs().amax(dim=1, keepdim=True) if x.shape[1] else x.new_zeros(x.shape[0], 1)
+        w_scale = torch.where(amax > 0, amax / s.qmax, torch.ones_like(amax))            # [rows, 1]
+        q = torch.round(x / w_scale).clamp_(-s.qmax, s.qmax).to(s.dtype)
+        return q, w_scale
+    if scale is None:
+        scale = fp8_scale(x.abs().max() if x.numel() else 0.0)
+    w_scale = torch.as_tensor(scale, dtype=torch.float32).reshape(1).to(x.device)
+    q = (x / w_scale).clamp_(-s.qmax, s.qmax).to(s.dtype)
+    return q, w_scale
+
+
+def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(weight.float() * weight_scale).to(dtype)`` for a table or a block of its rows (``[n, D]``)."""
+    return (weight.float() * weight_scale.float()).to(dtype)
+
+
+def quantized_lookup(weight: torch.Tensor, weight_scale: torch.Tensor, ids: torch.Tensor, *, lookup=None):
+    """Gather the quantized rows of hash ids ``[T, NH]``: ``(rows [T, NH*D], row_scale)``.
+
+    ``lookup(weight, ids)`` is an ``embedding_lookup`` (default: ``ple.reference``'s); it
+    gathers the raw bytes (an FP8 table is viewed as uint8), so any gather kernel copies
+    the values exactly. ``row_scale`` is the ``[1]`` per-tensor scale, or ``[T, NH]``
+    with each gathered row's scale for a per-row table. Feed both to `dequantize_rows`.
+    """
+    if lookup is None:
+        from .reference.embedding import embedding_lookup as lookup
+    raw = weight.view(torch.uint8) if weight.dtype.is_floating_point else weight
+    rows = lookup(raw, ids).view(weight.dtype)                               # [T, NH*D]
+    if weight_scale.dim() == 2:                                               # per row: [rows, 1]
+        T, NH = ids.shape
+        row_scale = F.embedding(ids.to(torch.int64), weight_scale).reshape(T, NH)
+    else:
+        row_scale = weight_scale
+    return rows, row_scale
+
+
+def dequantize_rows(rows: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Quantized rows ``[T, NH*D]`` and their scales (``[1]`` or ``[T, NH]``) -> ``[T, NH*D]``, ``dtype``."""
+    if row_scale.dim() == 2:
+        T, NH = row_scale.shape
+        return dequantize(rows.reshape(T, NH, -1), row_scale[:, :, None], dtype).reshape(rows.shape)
+    return dequantize(rows, row_scale, dtype)
+
+
+def reference_lookup(weight: torch.Tensor, weight_scale: torch.Tensor, ids: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """The definition: dequantize the whole table, then look up ``[T, NH]`` ids -> ``[T, E]``."""
+    from .reference.embedding import embedding_lookup
+
+    return embedding_lookup(dequantize(weight, weight_scale, dtype), ids)
+
+
+def error_bound(table: torch.Tensor, scheme, *, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The documented elementwise bound on ``|dequantize(quantize(table)) - table|`` (see the module doc).
+
+    A float32 rounding allowance (``2**-22 * |w|``) is included. With ``out_dtype``
+    bfloat16 / float16 the output rounding (half an ulp of the result,
+    ``<= eps/2 * (|w| + bound)``) is added.
+    """
+    s = _scheme(scheme)
+    x = table.detach().float()
+    if s.per_row:
+        bound = (x.abs().amax(dim=1, keepdim=True) / 254.0).expand_as(x)
+    else:
+        scale = fp8_scale(x.abs().max() if x.numel() else 0.0)
+        bound = 2**-4 * x.abs() + 2**-10 * scale
+    bound = bound * (1 + 2**-20) + 2**-22 * x.abs() + torch.finfo(torch.float32).tiny   # float32 rounding
+    if out_dtype != torch.float32:
+        bound = bound + torch.finfo(out_dtype).eps / 2 * (x.abs() + bound)
+    return bound
+
+
+class QuantizedEmbedding(nn.Module):
+    """A quantized ``[rows, D]`` table: buffers ``weight`` (fp8 or int8) and ``weight_scale`` (float32).
+
+    It replaces ``nn.Embedding`` as ``layer.ple_embedding.ngram_embedding`` (see
+    ``NGramEmbedding.quantize_``), so the state-dict keys are the model's:
+    ``ple_embedding.ngram_embedding.weight`` and ``ple_embedding.ngram_embedding.weight_scale``.
+    It holds no parameters (a quantized table is not trained). Moving the module
+    (``.to(device)``, ``.cuda()``) moves the buffers; a dtype cast (``layer.to(torch.bfloat16)``)
+    leaves both buffers as they are, bit for bit.
+    """
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor):
+        super().__init__()
+        s = scheme_of(weight.dtype)
+        if s is None or weight.dim() != 2:
+            raise ValueError(f"weight: expected a 2-D {' or '.join(str(x.dtype) for x in SCHEMES.values())} "
+                             f"tensor, got {weight.dtype} {tuple(weight.shape)}")
+        want = (weight.shape[0], 1) if s.per_row else (1,)
+        if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != want:
+            raise ValueError(f"weight_scale: expected float32 {want} for a {s.name} table, got "
+                             f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", weight_scale)
+
+    @classmethod
+    def from_float(cls, table: torch.Tensor, scheme) -> QuantizedEmbedding:
+        return cls(*quantize(table, scheme))
+
+    @classmethod
+    def empty(cls, num_rows: int, dim: int, scheme, device=None) -> QuantizedEmbedding:
+        """An uninitialised table (e.g. on the meta device, filled by ``load_state_dict(assign=True)``)."""
+        s = _scheme(scheme)
+        scale_shape = (num_rows, 1) if s.per_row else (1,)
+        return cls(torch.empty(num_rows, dim, dtype=s.dtype, device=device),
+                   torch.ones(scale_shape, dtype=torch.float32, device=device))
+
+    @property
+    def scheme(self) -> Scheme:
+        return scheme_of(self.weight.dtype)
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def embedding_dim(self) -> int:
+        return self.weight.shape[1]
+
+    def lookup(self, ids: torch.Tensor, *, lookup=None):
+        """Quantized rows of ``[T, NH]`` ids: ``(rows, row_scale)`` (see `quantized_lookup`)."""
+        return quantized_lookup(self.weight, self.weight_scale, ids, lookup=lookup)
+
+    def dequantize(self, rows: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows from `lookup` -> ``[T, NH*D]`` in ``dtype`` (the seed's ``_dequantize_embeddings``)."""
+        return dequantize_rows(rows, row_scale, dtype)
+
+    def _apply(self, fn, recurse=True):
+        # Present the buffers as integer views while `fn` runs, so device moves apply and
+        # dtype casts (which only touch floating-point tensors) do not.
+        w, s = self._buffers["weight"], self._buffers["weight_scale"]
+        self._buffers["weight"] = w.view(torch.uint8) if w.dtype.is_floating_point else w
+        self._buffers["weight_scale"] = s.view(torch.int32)
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            self._buffers["weight"] = self._buffers["weight"].view(w.dtype)
+            self._buffers["weight_scale"] = self._buffers["weight_scale"].view(torch.float32)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, scheme={self.scheme.name}"

@@ -1,0 +1,348 @@
+"""Quantized tables (``ple.quant``) and host-offloaded, prefetched lookups (``ple.offload``)."""
+
+from __future__ import annotations
+
+import random
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+from ple import PLEConfig, PLELayer
+from ple.backends import triton_available
+from ple.offload import is_offloaded, offload_table
+from ple.quant import (
+    SCHEMES,
+    QuantizedEmbedding,
+    dequantize,
+    dequantize_rows,
+    error_bound,
+    quantize,
+    quantized_lookup,
+    reference_lookup,
+)
+from ple.state import PLECache
+from ple.testing.numerics import assert_bitwise_equal
+from ple.testing.serving import random_script, replay
+
+TINY = PLEConfig.preset("tiny")
+
+
+def random_layer(cfg=TINY, index=0, dtype=torch.bfloat16, seed=0) -> PLELayer:
+    """Every parameter random (norms and conv too), so every path of the layer matters."""
+    layer = PLELayer(cfg, index, dtype=dtype)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            scale = 0.3 if "norm" in name or "conv" in name else 1.0
+            if "proj" in name:
+                scale = p.shape[1] ** -0.5
+            p.copy_((torch.randn(p.shape, generator=gen) * scale).to(p.dtype))
+    return layer
+
+
+def table_of(gen, rows, D, *, magnitude=1.0, dtype=torch.bfloat16):
+    """A normal table with a few exact zeros, a zero row and an outlier, in ``dtype``."""
+    t = torch.randn(rows, D, generator=gen) * magnitude
+    t[torch.rand(rows, D, generator=gen) < 0.05] = 0.0
+    if rows > 2:
+        t[1] = 0.0
+        t[2, 0] *= 20
+    return t.to(dtype)
+
+
+# ---- quantization ----------------------------------------------------------------------------------
+@given(scheme=st.sampled_from(sorted(SCHEMES)), rows=st.integers(1, 40), D=st.integers(1, 17),
+       log_mag=st.integers(-12, 12), out=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**31 - 1))
+def test_dequantized_table_within_documented_bound(scheme, rows, D, log_mag, out, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w = table_of(gen, rows, D, magnitude=2.0 ** log_mag)
+    q, s = quantize(w, scheme)
+    assert q.dtype == SCHEMES[scheme].dtype and s.dtype == torch.float32
+    assert s.shape == ((rows, 1) if scheme == "int8" else (1,))
+    err = (dequantize(q, s, out).double() - w.double()).abs()
+    bound = error_bound(w, scheme, out_dtype=out).double()
+    note(f"worst excess {float((err - bound).max()):.3g}")
+    assert bool((err <= bound).all()), f"error {float(err.max()):.3g} past the documented bound"
+    if rows > 2:
+        assert torch.equal(dequantize(q, s, out)[1], torch.zeros(D, dtype=out))   # a zero row stays zero
+
+
+def test_error_report(capsys):
+    """Measured error of each scheme against a bfloat16 normal(0, 1) table of the real row width (D = 160).
+
+    Dequantized to float32 the error is the quantization's own; to bfloat16 the output
+    rounding (up to 2**-8 relative) comes on top.
+    """
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(4096, 160, generator=gen)).to(torch.bfloat16)
+    x = w.float()
+    lines = []
+    for scheme in ("fp8", "int8"):
+        q, s = quantize(w, scheme)
+        for out, extra in ((torch.float32, 1e-6), (torch.bfloat16, 2**-8)):
+            err = (dequantize(q, s, out).float() - x).abs()
+            if scheme == "fp8":
+                normal = x.abs() >= 2**-6 * s                # values in e4m3's normal range
+                rel = err[normal] / x.abs()[normal]
+                assert float(rel.max()) <= 2**-4 + extra     # 3 mantissa bits: half an ulp is 2**-4
+                lines.append(f"fp8 e4m3 per-tensor -> {str(out)[6:]:>8}: max rel {float(rel.max()):.4f} "
+                             f"(bound 2^-4 = 0.0625), mean rel {float(rel.mean()):.4f}, "
+                             f"max abs {float(err.max()):.4f}")
+            else:
+                ratio = err / x.abs().amax(dim=1, keepdim=True)
+                assert float(ratio.max()) <= 1 / 254 + extra   # half a step of max|row| / 127
+                lines.append(f"int8 per-row        -> {str(out)[6:]:>8}: max err / max|row| "
+                             f"{float(ratio.max()):.5f} "
+                             f"(bound 1/254 = 0.00394), mean abs {float(err.mean()):.5f}")
+    with capsys.disabled():
+        print("\n" + "\n".join(lines))
+
+
+def test_quantize_rejects_bad_input():
+    with pytest.raises(ValueError, match="scheme"):
+        quantize(torch.zeros(2, 2), "int4")
+    with pytest.raises(ValueError, match="table"):
+        quantize(torch.zeros(2, 2, dtype=torch.int8), "fp8")
+    with pytest.raises(ValueError, match="scale"):
+        quantize(torch.zeros(2, 2), "int8", scale=torch.ones(1))
+    with pytest.raises(ValueError, match="weight_scale"):
+        QuantizedEmbedding(torch.zeros(3, 2, dtype=torch.int8), torch.ones(1))
+    with pytest.raises(ValueError, match="weight"):
+        QuantizedEmbedding(torch.zeros(3, 2), torch.ones(1))
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+@pytest.mark.parametrize("out", [torch.float32, torch.bfloat16])
+def test_quantized_lookup_equals_reference(scheme, out):
+    """Gathering quantized rows then dequantizing gives the bits of dequantize-whole-table-then-look-up."""
+    gen = torch.Generator().manual_seed(1)
+    w = table_of(gen, 97, 5)
+    q, s = quantize(w, scheme)
+    ids = torch.randint(0, 97, (13, 6), generator=gen)
+    expected = reference_lookup(q, s, ids, out)
+    rows, row_scale = quantized_lookup(q, s, ids)
+    assert rows.dtype == q.dtype
+    assert_bitwise_equal(dequantize_rows(rows, row_scale, out), expected, name="quantized lookup")
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_fast_quantized_lookup_equals_reference(scheme):
+    """The fast path: ple.fast.embedding_lookup gathers the raw quantized bytes."""
+    if not triton_available():
+        pytest.skip("Triton cannot run here")
+    from ple.fast import embedding_lookup as fast_lookup
+
+    gen = torch.Generator().manual_seed(2)
+    w = table_of(gen, 61, 7)
+    q, s = quantize(w, scheme)
+    ids = torch.randint(0, 61, (9, 4), generator=gen)
+    rows, row_scale = quantized_lookup(q, s, ids, lookup=fast_lookup)
+    assert_bitwise_equal(dequantize_rows(rows, row_scale, torch.bfloat16),
+                         reference_lookup(q, s, ids, torch.bfloat16), name="fast quantized lookup")
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_quantized_layer(scheme):
+    """A quantized layer equals a float layer holding the dequantized table; casts keep the quantized bits."""
+    layer = random_layer(seed=3)
+    table = layer.ple_embedding.ngram_embedding.weight.detach().clone()
+    layer.ple_embedding.quantize_(scheme)
+    qt = layer.ple_embedding.ngram_embedding
+    assert isinstance(qt, QuantizedEmbedding) and qt.weight.dtype == SCHEMES[scheme].dtype
+    sd = layer.state_dict()
+    assert "ple_embedding.ngram_embedding.weight_scale" in sd
+    assert "ple_embedding.ngram_embedding.weight" not in dict(layer.named_parameters())
+
+    twin = random_layer(seed=3)
+    with torch.no_grad():
+        deq = dequantize(qt.weight, qt.weight_scale, torch.bfloat16)
+        twin.ple_embedding.ngram_embedding.weight.copy_(deq)
+    gen = torch.Generator().manual_seed(4)
+    h = torch.randn(2, 11, TINY.hc_hidden_size, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, TINY.vocab_size, (2, 11), generator=gen)
+    with torch.no_grad():
+        assert_bitwise_equal(layer(h, ids), twin(h, ids), name="quantized layer output")
+        err = (dequantize(qt.weight, qt.weight_scale, torch.float32) - table.float()).abs()
+        assert bool((err <= error_bound(table, scheme)).all())
+
+    w_bits, s_bits = qt.weight.clone(), qt.weight_scale.clone()
+    layer.to(torch.float32)                                         # a dtype cast leaves the table alone
+    assert qt.weight.dtype == w_bits.dtype and qt.weight_scale.dtype == torch.float32
+    assert_bitwise_equal(qt.weight, w_bits, name="weight")
+    assert_bitwise_equal(qt.weight_scale, s_bits, name="weight_scale")
+    assert layer.key_proj.weight.dtype == torch.float32
+
+    fresh = random_layer(seed=9)
+    fresh.ple_embedding.ngram_embedding = QuantizedEmbedding.empty(qt.num_embeddings, qt.embedding_dim,
+                                                                   scheme)
+    fresh.load_state_dict(sd)
+    assert_bitwise_equal(fresh.ple_embedding.ngram_embedding.weight, w_bits, name="loaded weight")
+
+
+# ---- offload and prefetch -----------------------------------------------------------------------------
+@pytest.mark.interpreter
+@pytest.mark.parametrize("scheme", ["fp8", "int8"])
+def test_quantized_layer_on_the_fast_backend(scheme):
+    """The layer's fast path (Triton gather of the raw rows) against its reference path, with a prefetch."""
+    if not triton_available():
+        pytest.skip("Triton cannot run here")
+    ref = random_layer(seed=11)
+    ref.ple_embedding.quantize_(scheme)
+    fast = random_layer(seed=11)
+    fast.ple_embedding.quantize_(scheme)
+    fast.set_backend("triton")
+    gen = torch.Generator().manual_seed(12)
+    tokens = torch.randint(0, TINY.vocab_size, (19,), generator=gen)
+    ids = ref.ops.ngram_ids(tokens, ref.ple_embedding.hash_params(), heads_per_ngram=TINY.heads_per_ngram,
+                            eos_token_id=TINY.eos_token_id)
+    expected = ref.embed(ids, torch.bfloat16)
+    assert_bitwise_equal(fast.embed(ids, torch.bfloat16), expected, name="fast quantized embed")
+    fast.start_prefetch(tokens)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_bitwise_equal(fast.embed(ids, torch.bfloat16), expected, name="fast prefetched embed")
+
+
+class PrefetchingLayer(PLELayer):
+    """Calls ``start_prefetch`` with the step's tokens before every step, as a serving engine would."""
+
+    def step(self, hidden_states, batch, cache):
+        self.start_prefetch(batch.input_ids, batch.query_start_loc, batch.ngram_context)
+        assert self._pending_prefetch is not None
+        out = super().step(hidden_states, batch, cache)
+        assert self._pending_prefetch is None                     # consumed
+        return out
+
+
+def twin_layers(scheme, num_layers=2, seed=5):
+    plain = [random_layer(TINY, i, seed=seed + i) for i in range(num_layers)]
+    pref = []
+    for i, p in enumerate(plain):
+        q = PrefetchingLayer(TINY, i, dtype=torch.bfloat16)
+        q.load_state_dict(p.state_dict())
+        pref.append(q)
+    for layer in plain + pref:
+        if scheme is not None:
+            layer.ple_embedding.quantize_(scheme)
+    for layer in pref:
+        offload_table(layer)
+    return plain, pref
+
+
+@pytest.mark.parametrize("scheme", [None, "fp8", "int8"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prefetched_serving_equals_in_memory(scheme, seed):
+    """Serving traffic through step(): the prefetched, offloaded path gives the in-memory path's bits."""
+    plain, pref = twin_layers(scheme)
+    script = random_script(random.Random(seed), vocab_size=TINY.vocab_size, eos_token_id=TINY.eos_token_id,
+                           num_requests=5, max_live=3, max_prompt=14, max_chunk=6, max_generate=5,
+                           num_spec_tokens=2)
+    results = []
+    for layers in (plain, pref):
+        cache = PLECache(TINY, 4, num_spec_tokens=2, num_layers=2, dtype=torch.bfloat16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")                      # a prefetch that was not used would warn
+            results.append(replay(layers, cache, script, generator=torch.Generator().manual_seed(seed),
+                                  check_states=False))
+    a, b = results
+    assert a.tokens == b.tokens
+    for rid in a.outputs:
+        for x, y in zip(a.outputs[rid], b.outputs[rid], strict=True):
+            assert_bitwise_equal(y, x, name=f"request {rid} output")
+
+
+@pytest.mark.parametrize("scheme", [None, "fp8"])
+def test_prefetch_forward_and_mismatch(scheme):
+    plain, pref = twin_layers(scheme, num_layers=1)
+    layer, ref = pref[0], plain[0]
+    gen = torch.Generator().manual_seed(6)
+    B, L = 2, 9
+    h = torch.randn(B, L, TINY.hc_hidden_size, generator=gen).to(torch.bfloat16)
+    ids = torch.randint(0, TINY.vocab_size, (B, L), generator=gen)
+    with torch.no_grad():
+        expected = ref(h, ids)
+        layer.start_prefetch(ids.reshape(-1), torch.arange(B + 1) * L)
+        assert_bitwise_equal(layer(h, ids), expected, name="prefetched forward")
+        assert layer._pending_prefetch is None
+        # A prefetch of other tokens is not used: looked up again, with a warning.
+        layer.start_prefetch((ids.reshape(-1) + 1) % TINY.vocab_size, torch.arange(B + 1) * L)
+        with pytest.warns(UserWarning, match="do not match"):
+            got = layer(h, ids)
+        assert_bitwise_equal(got, expected, name="forward after a stale prefetch")
+        # prefetch_verify = False trusts any prefetch of the right shape (here, wrongly).
+        layer.prefetch_verify = False
+        layer.start_prefetch((ids.reshape(-1) + 1) % TINY.vocab_size, torch.arange(B + 1) * L)
+        assert not torch.equal(layer(h, ids), expected)
+
+
+def test_prefetch_bad_arguments_change_nothing():
+    layer = random_layer()
+    good = torch.tensor([5, 6, 7])
+    layer.start_prefetch(good)
+    pending = layer._pending_prefetch
+    with pytest.raises(ValueError, match="input_ids"):
+        layer.start_prefetch(torch.tensor([5, TINY.vocab_size]))
+    with pytest.raises(TypeError, match="input_ids"):
+        layer.start_prefetch(torch.tensor([1.0, 2.0]))
+    with pytest.raises(ValueError, match="query_start_loc"):
+        layer.start_prefetch(good, torch.tensor([0, 2]))
+    assert layer._pending_prefetch is pending
+
+
+def test_prefetch_not_used_when_the_table_needs_a_gradient():
+    layer = random_layer(dtype=torch.float32)
+    ids = torch.randint(0, TINY.vocab_size, (1, 6))
+    h = torch.randn(1, 6, TINY.hc_hidden_size)
+    layer.start_prefetch(ids.reshape(-1))
+    with pytest.warns(UserWarning, match="gradient"):
+        out = layer(h, ids)
+    out.sum().backward()
+    assert layer.ple_embedding.ngram_embedding.weight.grad is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(h, ids)                                               # no prefetch pending: no warning
+
+
+def test_offload_table_keeps_values():
+    layer = random_layer()
+    w = layer.ple_embedding.ngram_embedding.weight.detach().clone()
+    offload_table(layer, pin=False)
+    t = layer.ple_embedding.ngram_embedding.weight
+    assert t.device.type == "cpu" and isinstance(t, torch.nn.Parameter)
+    assert_bitwise_equal(t.detach(), w, name="offloaded table")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scheme", [None, "fp8", "int8"])
+@pytest.mark.parametrize("ids_on", ["cpu", "cuda"])
+def test_offloaded_prefetch_on_cuda(scheme, ids_on):
+    """Table pinned on the host, layer on the GPU: prefetched steps equal the all-GPU layer bit for bit."""
+    dev = torch.device("cuda")
+    ref = random_layer(seed=7)
+    if scheme is not None:
+        ref.ple_embedding.quantize_(scheme)
+    ref.to(dev)
+    layer = PLELayer(TINY, 0, dtype=torch.bfloat16, device=dev)
+    if scheme is not None:
+        layer.ple_embedding.quantize_(scheme)
+    layer.load_state_dict(ref.state_dict())
+    offload_table(layer)
+    assert is_offloaded(layer) and layer.ple_embedding.ngram_embedding.weight.is_pinned()
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(3):
+        tokens = torch.randint(0, TINY.vocab_size, (40,), generator=gen)
+        qsl = torch.tensor([0, 7, 7, 40])
+        ctx = torch.randint(0, TINY.vocab_size, (3, TINY.context_len), generator=gen)
+        ids = ref.ops.ngram_ids(tokens.to(dev), ref.ple_embedding.hash_params(),
+                                heads_per_ngram=TINY.heads_per_ngram, eos_token_id=TINY.eos_token_id,
+                                query_start_loc=qsl.to(dev), ngram_context=ctx.to(dev))
+        expected = ref.embed(ids, torch.bfloat16)
+        layer.start_prefetch(tokens.to(ids_on), qsl.to(ids_on), ctx.to(ids_on))
+        got = layer.embed(ids, torch.bfloat16)
+        assert_bitwise_equal(got, expected, name="prefetched rows")
+        assert_bitwise_equal(layer.embed(ids, torch.bfloat16), expected, name="host lookup without prefetch")
