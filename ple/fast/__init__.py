@@ -12,9 +12,10 @@ from ..reference.hashing import HashParams, hash_params, splitmix64
 from .conv import dilated_causal_conv, export_conv_checkpoints, ple_conv
 from .embedding import embedding_lookup
 from .gate import ple_gate
-from .hashing import ngram_ids
+from .hashing import ngram_embedding, ngram_ids
 
 __all__ = [
     "HashParams", "hash_params", "splitmix64", "ngram_ids", "embedding_lookup", "grouped_rms_norm",
     "ple_gate", "ple_conv", "export_conv_checkpoints", "dilated_causal_conv",
+    "ngram_embedding",  # extra of ple.fast: hash + gather in one kernel
 ]
