@@ -8,7 +8,7 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["resolve_backend", "triton_available", "triton_compiled_available"]
+__all__ = ["resolve_backend", "backend_module", "triton_available", "triton_compiled_available"]
 
 BACKENDS = ("reference", "triton", "auto")
 
@@ -42,3 +42,14 @@ def resolve_backend(backend: str) -> tuple[str, ModuleType]:
     from . import reference
 
     return "reference", reference
+
+
+def backend_module(name: str) -> ModuleType:
+    """The op module of a resolved backend name (``"reference"`` or ``"triton"``), without re-checking."""
+    if name == "triton":
+        from . import fast
+
+        return fast
+    from . import reference
+
+    return reference

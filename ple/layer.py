@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _checks
-from .backends import resolve_backend
+from .backends import backend_module, resolve_backend
 from .config import PLEConfig
 from .offload import embed_rows
 from .offload import start_prefetch as _start_prefetch
@@ -116,12 +116,12 @@ class PLELayer(nn.Module):
     # ---- backend -------------------------------------------------------------------------------
     def set_backend(self, backend: str) -> None:
         """Switch the ops this layer runs on (see the class docstring)."""
-        self.backend, self._ops = resolve_backend(backend)
+        self.backend = resolve_backend(backend)[0]    # the name only: the module is looked up (deepcopy-safe)
 
     @property
     def ops(self) -> ModuleType:
         """The op module in use: ``ple.reference`` or ``ple.fast``."""
-        return self._ops
+        return backend_module(self.backend)
 
     # ---- pieces shared by forward and step -----------------------------------------------------
     def _check_hidden(self, hidden_states: torch.Tensor, ndim: int) -> None:
@@ -143,7 +143,7 @@ class PLELayer(nn.Module):
         table = self.ple_embedding.ngram_embedding
         plain = isinstance(table, nn.Embedding) and table.weight.device == ids.device
         if plain and self._pending_prefetch is None:
-            return self._ops.embedding_lookup(table.weight, ids).to(dtype)
+            return self.ops.embedding_lookup(table.weight, ids).to(dtype)
         return embed_rows(self, ids, dtype)
 
     def start_prefetch(self, input_ids: torch.Tensor, query_start_loc: torch.Tensor | None = None,
@@ -162,7 +162,7 @@ class PLELayer(nn.Module):
         """Project ``[T, E]`` embeddings to key and value and gate them: ``(gated, conv_input)``."""
         key = F.linear(embeddings, self.key_proj.weight)          # [T, C]
         value = F.linear(embeddings, self.value_proj.weight)      # [T, H]
-        return self._ops.ple_gate(key, value, hidden_states, self.norm_key.weight, self.norm_query.weight,
+        return self.ops.ple_gate(key, value, hidden_states, self.norm_key.weight, self.norm_query.weight,
                                   self.norm_conv.weight, self.config.rms_norm_eps)
 
     @property
@@ -192,7 +192,7 @@ class PLELayer(nn.Module):
             keep = attention_mask.bool()
             input_ids = torch.where(keep, input_ids, torch.full_like(input_ids, eos))
         query_start_loc = torch.arange(B + 1, device=dev, dtype=torch.int64) * L
-        ids = self._ops.ngram_ids(input_ids.reshape(B * L), self.ple_embedding.hash_params(),
+        ids = self.ops.ngram_ids(input_ids.reshape(B * L), self.ple_embedding.hash_params(),
                                   heads_per_ngram=self.config.heads_per_ngram, eos_token_id=eos,
                                   query_start_loc=query_start_loc)
         emb = self.embed(ids, hidden_states.dtype)                 # [B*L, E]
@@ -200,7 +200,7 @@ class PLELayer(nn.Module):
         if keep is not None:
             mask = keep.reshape(B * L, 1).to(gated.dtype)
             gated, conv_input = gated * mask, conv_input * mask
-        y = self._ops.dilated_causal_conv(conv_input.reshape(B, L, C), self.conv_weights,
+        y = self.ops.dilated_causal_conv(conv_input.reshape(B, L, C), self.conv_weights,
                                           dilation=self.config.conv_dilation)
         return (gated.reshape(B, L, C) + y) + hidden_states
 

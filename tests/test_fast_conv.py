@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from ple.fast import conv as fast
+from ple import fast  # the public ops: torch.library custom ops over ple.fast.conv
 from ple.reference import conv as ref
 from ple.testing.numerics import assert_bitwise_equal, assert_close, assert_no_nan
 
