@@ -1,0 +1,543 @@
+"""ple.distributed on gloo: 2 and 3 CPU processes against one process.
+
+Process startup dominates (torch import, a few seconds a process), so each world
+size is spawned once (a module fixture) and runs every check in that group; each
+test below then reports one check. Every process builds the same layers from the
+same seed and runs the single-process reference itself, so nothing large crosses
+process boundaries.
+
+Covered: sharded-table forward, gradients and serving steps (uneven row splits,
+quantized tables, rows read from checkpoint shards); sequence-parallel training
+(outputs, gradients of every parameter and input) and serving steps (outputs and
+cache states, bit for bit) with both exchanges; splits with a rank that holds no
+tokens, ranks holding fewer than S tokens, a request spanning three ranks; and the
+halo's byte bound, ``(W - 1) * S * C`` elements per layer call.
+"""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ple
+from ple.distributed import (
+    Comm,
+    ShardedEmbedding,
+    ShardedPLELayer,
+    checkpoint_table_shards,
+    even_bounds,
+    fragments,
+    halo_plan,
+    load_table_rows,
+    sp_forward,
+    sp_step,
+    spawn,
+    sync_grads,
+)
+from ple.state import Decode, PLECache, Prefill, Spec
+from ple.testing.numerics import assert_bitwise_equal
+
+CONFIG = ple.PLEConfig.preset("tiny")          # C 48, S 9, N 3, NH 6, D 4, 6128 table rows
+CKPT_PREFIX = "model.layers.1.ple."
+
+
+def make_layers(num_layers=1, *, seed=0, dtype=torch.float32):
+    """Layers with every parameter non-zero (norms and conv included), the same in every process."""
+    g = torch.Generator().manual_seed(seed)
+    layers = []
+    for i in range(num_layers):
+        layer = ple.PLELayer(CONFIG, i, dtype=dtype)
+        with torch.no_grad():
+            for p in layer.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(dtype) * 0.5)
+        layers.append(layer)
+    return layers
+
+
+_failures: list[str] | None = None
+"""Inside a spawned check, comparisons record failures here and carry on, so every rank still makes
+the same collective calls (a rank that raised mid-check would leave the others waiting)."""
+
+
+def expect(ok, msg):
+    if ok:
+        return
+    if _failures is None:
+        raise AssertionError(msg)
+    _failures.append(msg)
+
+
+def close(actual, expected, name, tol=1e-9):
+    """``|actual - expected| <= tol * (1 + |expected|)`` (torch.testing imports DTensor under dist: slow)."""
+    if actual is None or actual.shape != expected.shape or actual.dtype != expected.dtype:
+        desc = "None" if actual is None else f"{tuple(actual.shape)}/{actual.dtype}"
+        return expect(False, f"{name}: {desc} != {tuple(expected.shape)}/{expected.dtype}")
+    err = (actual.detach().double() - expected.detach().double()).abs()
+    bad = err > tol * (1 + expected.detach().double().abs())
+    if bad.any():
+        expect(False, f"{name}: {int(bad.sum())} of {bad.numel()} off, max error {float(err.max()):.3g}")
+
+
+def same_bits(actual, expected, name):
+    try:
+        assert_bitwise_equal(actual, expected, name=name)
+    except AssertionError as e:
+        expect(False, str(e))
+
+
+def total_bytes(comm: Comm, category: str) -> int:
+    """Bytes sent under ``category``, summed over the group."""
+    return comm.all_reduce_sum_ints([comm.bytes_sent[category]])[0]
+
+
+# ---- checks run inside the spawned group -------------------------------------------------------
+def check_table_forward_backward(rank, W, ckpt_dir):
+    """Replicated tokens, table split unevenly: outputs and every gradient equal one process's."""
+    full, = make_layers(dtype=torch.float64)
+    rows = full.ple_embedding.ngram_embedding.weight.shape[0]
+    cuts = [0, 2501, rows] if W == 2 else [0, 1, 4000, rows]             # uneven on purpose
+    sharded = ShardedPLELayer.from_layer(full, row_range=(cuts[rank], cuts[rank + 1]))
+    expect(sharded.table.weight.shape[0] == cuts[rank + 1] - cuts[rank], "rows of the shard")
+    g = torch.Generator().manual_seed(1)
+    B, L = 3, 11
+    ids = torch.randint(0, CONFIG.vocab_size, (B, L), generator=g)
+    ids[1, 4] = CONFIG.eos_token_id
+    mask = torch.ones(B, L, dtype=torch.int64)
+    mask[2, :3] = 0
+    hidden = torch.randn(B, L, CONFIG.hc_hidden_size, generator=g, dtype=torch.float64)
+    probe = torch.randn(B, L, CONFIG.hc_hidden_size, generator=g, dtype=torch.float64)
+
+    results = []
+    for layer in (full, sharded):
+        h = hidden.clone().requires_grad_(True)
+        out = layer(h, ids, mask)
+        (out * probe).sum().backward()
+        results.append((out.detach(), h.grad))
+    close(results[1][0], results[0][0], "output")
+    close(results[1][1], results[0][1], "hidden_states grad")
+    grads = dict(full.named_parameters())
+    for name, p in sharded.named_parameters():
+        want = grads[name].grad
+        if name == "ple_embedding.ngram_embedding.weight":
+            want = want[cuts[rank]:cuts[rank + 1]]
+        close(p.grad, want, f"grad of {name}")
+
+
+def check_table_quantized(rank, W, ckpt_dir):
+    """int8 rows with per-row scales, FP8 rows with one scale: replicated and sequence-parallel lookups."""
+    g = torch.Generator().manual_seed(2)
+    rows, D, T, NH = 1001, 4, 13, 6
+    ids = torch.randint(0, rows, (T, NH), generator=g)
+    ids[0, :] = rows - 1                                                 # the last row, on the last rank
+    tables = [(torch.randint(-127, 128, (rows, D), generator=g, dtype=torch.int8),
+               torch.rand(rows, 1, generator=g) + 0.01)]
+    if hasattr(torch, "float8_e4m3fn"):
+        tables.append((torch.randn(rows, D, generator=g).to(torch.float8_e4m3fn), torch.tensor([0.37])))
+    bounds = even_bounds(T, W) if W == 2 else [0, 6, 6, T]               # rank 1 of 3 has no tokens
+    for q, scale in tables:
+        per_row = scale[ids.reshape(-1)].reshape(T, NH, 1) if scale.shape[0] == rows else scale
+        expected = (q[ids].float() * per_row).reshape(T, NH * D).to(torch.bfloat16)
+        table = ShardedEmbedding.from_full(q, weight_scale=scale)
+        expect(table.quantized and not table.weight.requires_grad, "a quantized table, without gradient")
+        got = table(ids, dtype=torch.bfloat16)
+        same_bits(got, expected, f"{q.dtype} lookup")
+        lo, hi = bounds[rank], bounds[rank + 1]
+        counts = [bounds[r + 1] - bounds[r] for r in range(W)]
+        got = table.lookup_sequence_parallel(ids[lo:hi], counts, dtype=torch.bfloat16)
+        same_bits(got, expected[lo:hi], f"{q.dtype} sequence-parallel lookup")
+        # The raw rows travel in the table's width (one byte an element here), scales beside them.
+        m = max(counts)
+        want = round(2 * (W - 1) / W * T * NH * D) + round((W - 1) / W * W * m * NH * D)
+        expect(table.comm.bytes_sent["table_reduce"] == want, f"{q.dtype}: bytes {table.comm.bytes_sent}")
+
+    # A whole layer quantized by ple.quant, then sharded: the same outputs as the whole quantized layer.
+    full, = make_layers(seed=7)
+    if not hasattr(full.ple_embedding, "quantize_"):
+        return
+    full.ple_embedding.quantize_("int8")
+    sharded = ShardedPLELayer.from_layer(full)
+    expect(sharded.table.quantized and sharded.table.scale_kind == "row", "an int8 shard with row scales")
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 9), generator=g)
+    hidden = torch.randn(2, 9, CONFIG.hc_hidden_size, generator=g)
+    with torch.no_grad():
+        close(sharded(hidden, ids), full(hidden, ids), "quantized layer output", tol=1e-6)
+
+
+def check_checkpoint_rows(rank, W, ckpt_dir):
+    """A rank's rows (and their scales) come straight from the checkpoint shards that hold them."""
+    full, = make_layers()
+    sharded = ShardedPLELayer(CONFIG, 0)
+    sharded.load_table_from_checkpoint(ckpt_dir + "/float", key_prefix=CKPT_PREFIX)
+    t = sharded.table
+    want = full.ple_embedding.ngram_embedding.weight.detach()[t.row_start:t.row_end]
+    same_bits(t.weight.detach(), want, "rows from the checkpoint")
+    q, scale = int8_table(full)
+    sharded.load_table_from_checkpoint(ckpt_dir + "/int8", key_prefix=CKPT_PREFIX)
+    t = sharded.table
+    expect(t.weight.dtype == torch.int8 and t.scale_kind == "row", "an int8 shard with row scales")
+    same_bits(t.weight.detach(), q[t.row_start:t.row_end], "int8 rows from the checkpoint")
+    same_bits(t.weight_scale, scale[t.row_start:t.row_end], "row scales from the checkpoint")
+
+
+def _script(slots, eos, g):
+    """Serving steps: (items, accept, bounds) with long prefills, decodes, spec, a checkpoint, tiny steps."""
+    a, b, c, ck, d = slots
+
+    def toks(n):
+        return [int(x) for x in torch.randint(0, CONFIG.vocab_size, (n,), generator=g)]
+
+    pa = toks(25)
+    pa[6] = eos
+    return [
+        ([Prefill(a, pa), Prefill(b, toks(3)), Prefill(c, toks(14), checkpoint_at=10, checkpoint_slot=ck)],
+         {}, None),
+        ([Decode(a, toks(1)), Spec(b, toks(3)), Prefill(c, toks(7)), Decode(ck, eos)], {b: 2}, None),
+        ([Prefill(b, toks(5)), Spec(a, toks(2)), Decode(c, toks(1))], {a: 1}, None),
+        ([Decode(b, toks(1))], {}, None),                                 # fewer tokens than ranks
+        ([Spec(a, toks(3)), Prefill(d, toks(30))], {a: 3}, "custom"),
+        ([Decode(a, toks(1)), Decode(b, toks(1)), Prefill(d, toks(4))], {}, None),
+    ]
+
+
+def _custom_bounds(T, W):
+    # A rank with fewer than S rows between others, and (for W = 3) a request over three ranks.
+    return [0, 5, T] if W == 2 else [0, 12, 15, T]
+
+
+def _serve(rank, W, mode, exchange):
+    """Run the script on one process (reference) and split over the group; compare every step."""
+    layers = make_layers(2, seed=3)
+    ref_cache = PLECache(CONFIG, 7, num_spec_tokens=2, num_layers=2)
+    cache = PLECache(CONFIG, 7, num_spec_tokens=2, num_layers=2)
+    comm = Comm()
+    if mode == "sp":
+        mine = layers
+    else:
+        mine = [ShardedPLELayer.from_layer(layer, comm) for layer in layers]
+    slots = [ref_cache.allocate() for _ in range(5)]
+    expect([cache.allocate() for _ in range(5)] == slots, "the same slots")
+    g = torch.Generator().manual_seed(4)
+    C, S = CONFIG.hc_hidden_size, CONFIG.conv_state_len
+    for step, (items, accept, split) in enumerate(_script(slots, CONFIG.eos_token_id, g)):
+        ref_batch, batch = ref_cache.schedule(items), cache.schedule(items)
+        T = batch.num_tokens
+        hidden = torch.randn(T, C, generator=g)
+        bounds = _custom_bounds(T, W) if split == "custom" else (even_bounds(T, W) if step % 2 else None)
+        lo, hi = (bounds or even_bounds(T, W))[rank:rank + 2]
+        h_ref, h = hidden, hidden if mode == "table" else hidden[lo:hi]
+        for li in range(2):
+            before = comm.bytes_sent["conv_halo"]
+            h_ref = layers[li].step(h_ref, ref_batch, ref_cache)
+            if mode == "table":
+                h = mine[li].step(h, batch, cache)
+                got, want = h, h_ref
+            else:
+                h = sp_step(mine[li], h, batch, cache, comm, bounds=bounds, exchange=exchange)
+                got, want = h, h_ref[lo:hi]
+            close(got, want, f"step {step} layer {li} output", tol=1e-6)
+            sent = total_bytes(comm, "conv_halo") - comm.all_reduce_sum_ints([before])[0]
+            expect(sent <= (W - 1) * S * C * 4, f"step {step}: halo sent {sent} bytes")
+        for s, n in accept.items():
+            ref_cache.accept(s, n)
+            cache.accept(s, n)
+        # Matmuls over a rank's rows may round differently from those over all rows, so states match one
+        # process to rounding; across ranks the replicated caches must agree bit for bit.
+        close(cache.conv_states, ref_cache.conv_states, f"conv states after step {step}", tol=1e-5)
+        every = comm.all_gather(cache.conv_states, "test")
+        for r in range(W):
+            same_bits(every[r], cache.conv_states, f"rank {r}'s conv states after step {step}")
+        expect(cache._slots == ref_cache._slots, f"bookkeeping after step {step}")
+    if mode == "sp" and exchange == "halo":
+        expect(comm.bytes_sent["conv_allgather"] == 0, "the halo path all-gathers no conv input")
+        expect(total_bytes(comm, "conv_halo") > 0, "some halo was sent")
+
+
+def check_step_sharded_table(rank, W, ckpt_dir):
+    _serve(rank, W, "table", None)
+
+
+def check_sp_step_halo(rank, W, ckpt_dir):
+    _serve(rank, W, "sp", "halo")
+
+
+def check_sp_step_allgather(rank, W, ckpt_dir):
+    _serve(rank, W, "sp", "allgather")
+
+
+def check_sp_step_sharded_table(rank, W, ckpt_dir):
+    _serve(rank, W, "sp+table", "halo")
+
+
+def _train(rank, W, sharded, exchange, bounds_list):
+    """sp_forward over a packed batch: outputs, input and parameter gradients against one process."""
+    full, = make_layers(dtype=torch.float64, seed=5)
+    lengths = [5, 23, 1, 0, 14]
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    T, C, S = starts[-1], CONFIG.hc_hidden_size, CONFIG.conv_state_len
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, CONFIG.vocab_size, (T,), generator=g)
+    ids[20] = CONFIG.eos_token_id
+    hidden = torch.randn(T, C, generator=g, dtype=torch.float64)
+    probe = torch.randn(T, C, generator=g, dtype=torch.float64)
+
+    # One process: every sequence through forward, the loss summed.
+    h = hidden.clone().requires_grad_(True)
+    outs = [full(h[a:b][None], ids[a:b][None])[0] for a, b in zip(starts, starts[1:], strict=False)]
+    ref = torch.cat(outs)
+    (ref * probe).sum().backward()
+    ref_grads = {n: p.grad.clone() for n, p in full.named_parameters()}
+
+    comm = Comm()
+    cu = torch.tensor(starts)
+    for bounds in bounds_list:
+        layer = make_layers(dtype=torch.float64, seed=5)[0]
+        if sharded:
+            layer = ShardedPLELayer.from_layer(layer, comm)
+        lo, hi = (bounds or even_bounds(T, W))[rank:rank + 2]
+        hk = hidden[lo:hi].clone().requires_grad_(True)
+        comm.reset()
+        out = sp_forward(layer, hk, ids[lo:hi], cu, comm, bounds=bounds, exchange=exchange)
+        (out * probe[lo:hi]).sum().backward()
+        sync_grads(layer, comm)
+        close(out, ref[lo:hi], f"bounds {bounds}: output")
+        close(hk.grad, h.grad[lo:hi], f"bounds {bounds}: hidden_states grad")
+        for name, p in layer.named_parameters():
+            want = ref_grads[name]
+            if sharded and name == "ple_embedding.ngram_embedding.weight":
+                want = want[layer.table.row_start:layer.table.row_end]
+            close(p.grad, want, f"bounds {bounds}: grad of {name}")
+        if exchange == "halo":
+            for cat in ("conv_halo", "conv_halo_grad"):
+                sent = total_bytes(comm, cat)
+                expect(sent <= (W - 1) * S * C * 8, f"bounds {bounds}: {cat} sent {sent} bytes")
+            expect(comm.bytes_sent["conv_allgather"] == 0, "the halo path all-gathers no conv input")
+
+
+def _train_bounds(W):
+    T = 43
+    if W == 2:
+        return [None, [0, 0, T], [0, 33, T]]           # even; rank 0 empty; a cut inside a sequence
+    return [None, [0, 10, 10, T], [0, 12, 15, T]]      # even; rank 1 empty; a sequence over three ranks
+
+
+def check_sp_forward_halo(rank, W, ckpt_dir):
+    _train(rank, W, False, "halo", _train_bounds(W))
+
+
+def check_sp_forward_allgather(rank, W, ckpt_dir):
+    _train(rank, W, False, "allgather", _train_bounds(W)[:2])
+
+
+def check_sp_forward_sharded_table(rank, W, ckpt_dir):
+    _train(rank, W, True, "halo", _train_bounds(W)[1:])
+
+
+CHECKS = {
+    "table_forward_backward": check_table_forward_backward,
+    "table_quantized": check_table_quantized,
+    "checkpoint_rows": check_checkpoint_rows,
+    "step_sharded_table": check_step_sharded_table,
+    "sp_step_halo": check_sp_step_halo,
+    "sp_step_allgather": check_sp_step_allgather,
+    "sp_step_sharded_table": check_sp_step_sharded_table,
+    "sp_forward_halo": check_sp_forward_halo,
+    "sp_forward_allgather": check_sp_forward_allgather,
+    "sp_forward_sharded_table": check_sp_forward_sharded_table,
+}
+
+
+def run_checks(rank, world_size, names, ckpt_dir):
+    """Every check in turn; a failing check is reported and the others still run."""
+    global _failures
+    out = {}
+    for name in names:
+        _failures = []
+        try:
+            CHECKS[name](rank, world_size, ckpt_dir)
+            out[name] = None
+        except Exception:  # noqa: BLE001 - reported per check by the tests below
+            out[name] = traceback.format_exc()
+        if _failures:
+            more = f"\n... and {len(_failures) - 5} more" if len(_failures) > 5 else ""
+            out[name] = (out[name] or "") + "\n".join(_failures[:5]) + more
+        _failures = None
+        dist.barrier()
+    return out
+
+
+# ---- the parent side ------------------------------------------------------------------------------
+def int8_table(layer):
+    """A symmetric per-row int8 quantization of the layer's table: ``(q [rows, D], scale [rows, 1])``."""
+    w = layer.ple_embedding.ngram_embedding.weight.detach().float()
+    scale = w.abs().amax(dim=1, keepdim=True) / 127
+    return torch.round(w / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+def write_checkpoint(path, layer, parts, *, quantized=False):
+    """The checkpoint's table layout: shard k holds rows from k * ceil(rows / parts); split over files."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    w, scale = int8_table(layer) if quantized else (layer.ple_embedding.ngram_embedding.weight.detach(), None)
+    rows = w.shape[0]
+    per = -(-rows // parts)
+    key = CKPT_PREFIX + "ple_embedding.ngram_embedding.shard_{}.{}"
+    tensors = {key.format(k, "weight"): w[k * per:min((k + 1) * per, rows)].clone() for k in range(parts)}
+    if quantized:
+        tensors.update({key.format(k, "weight_scale"): scale[k * per:min((k + 1) * per, rows)].clone()
+                        for k in range(parts)})
+    names = sorted(tensors)
+    save_file({n: tensors[n] for n in names[::2]}, str(path / "model-00001.safetensors"))
+    save_file({n: tensors[n] for n in names[1::2]}, str(path / "model-00002.safetensors"))
+    save_file({CKPT_PREFIX + "other.weight": torch.zeros(2)}, str(path / "model-00003.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt")
+    layer = make_layers()[0]
+    write_checkpoint(path / "float", layer, parts=5)
+    write_checkpoint(path / "int8", layer, parts=3, quantized=True)
+    return str(path)
+
+
+def _group_results(world_size, checkpoint_dir):
+    per_rank = spawn(run_checks, world_size, list(CHECKS), checkpoint_dir, timeout=150.0, pg_timeout=30.0)
+    return {name: [(r, res[name]) for r, res in enumerate(per_rank) if res[name] is not None]
+            for name in CHECKS}
+
+
+@pytest.fixture(scope="module")
+def world2(checkpoint_dir):
+    return _group_results(2, checkpoint_dir)
+
+
+@pytest.fixture(scope="module")
+def world3(checkpoint_dir):
+    return _group_results(3, checkpoint_dir)
+
+
+def _report(results, name):
+    failures = results[name]
+    if failures:
+        pytest.fail("\n".join(f"rank {r}:\n{tb}" for r, tb in failures), pytrace=False)
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_two_processes(world2, name):
+    _report(world2, name)
+
+
+@pytest.mark.parametrize("name", list(CHECKS))
+def test_three_processes(world3, name):
+    _report(world3, name)
+
+
+# ---- single-process pieces -------------------------------------------------------------------------
+def test_halo_plan_bound_and_coverage():
+    """Every rank receives exactly the rows of its first request before its first row, at most S."""
+    starts = [0, 5, 28, 29, 29, 43]
+    S = 9
+    splits = ([0, 43], [0, 21, 43], [0, 10, 10, 43], [0, 12, 15, 43], [0, 1, 2, 3, 43], even_bounds(43, 5))
+    for bounds in splits:
+        W = len(bounds) - 1
+        plans = [halo_plan(bounds, starts, S, k) for k in range(W)]
+        assert sum(p.num_recv for p in plans) <= (W - 1) * S
+        for k, p in enumerate(plans):
+            lo, hi = bounds[k], bounds[k + 1]
+            frags = fragments(starts, lo, hi)
+            want = 0 if not frags else min(S, frags[0][1] - starts[frags[0][0]])
+            assert p.num_recv == want and p.start == lo - want
+            got = [row for src, _, n in p.recvs
+                   for row in range(max(p.start, bounds[src]), max(p.start, bounds[src]) + n)]
+            assert got == list(range(p.start, lo))
+            for src, _, n in p.recvs:                # matched by the sender's plan
+                assert any(dst == k and h - l_ == n for dst, l_, h in plans[src].sends)
+
+
+def test_load_table_rows_reads_only_overlapping_shards(checkpoint_dir, monkeypatch):
+    import safetensors
+
+    layer = make_layers()[0]
+    full = layer.ple_embedding.ngram_embedding.weight.detach()
+    float_dir = checkpoint_dir + "/float"
+    pieces, tensor_scale = checkpoint_table_shards(float_dir, key_prefix=CKPT_PREFIX)
+    assert [p.start for p in pieces] == [0, 1226, 2452, 3678, 4904] and pieces[-1].stop == full.shape[0]
+    assert tensor_scale is None
+    real = safetensors.safe_open
+    read = []
+
+    class Recording:
+        """safe_open that records every slice read."""
+
+        def __init__(self, path, framework):
+            self.f = real(path, framework=framework)
+
+        def __enter__(self):
+            self.inner = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def keys(self):
+            return self.inner.keys()
+
+        def get_slice(self, key):
+            inner = self.inner.get_slice(key)
+
+            class Slice:
+                def get_shape(self):
+                    return inner.get_shape()
+
+                def __getitem__(self, index):
+                    read.append((key.rsplit(".", 2)[-2], index.start, index.stop))
+                    return inner[index]
+
+            return Slice()
+
+    monkeypatch.setattr(safetensors, "safe_open", Recording)
+    rows, scale = load_table_rows(float_dir, 2000, 3000, key_prefix=CKPT_PREFIX)
+    assert_bitwise_equal(rows, full[2000:3000], name="rows 2000..3000")
+    assert scale is None
+    assert read == [("shard_1", 774, 1226), ("shard_2", 0, 548)]      # only the overlapping rows
+    rows, scale = load_table_rows(float_dir, 7, 7, key_prefix=CKPT_PREFIX)
+    assert rows.shape == (0, full.shape[1])
+    monkeypatch.undo()
+
+    q, s = int8_table(layer)
+    rows, scale = load_table_rows(checkpoint_dir + "/int8", 2000, 4100, key_prefix=CKPT_PREFIX)
+    assert_bitwise_equal(rows, q[2000:4100], name="int8 rows")
+    assert_bitwise_equal(scale, s[2000:4100], name="int8 row scales")
+    with pytest.raises(ValueError, match="start, end"):
+        load_table_rows(float_dir, 0, full.shape[0] + 1, key_prefix=CKPT_PREFIX)
+    with pytest.raises(ValueError, match="no 'nope.ple_embedding"):
+        load_table_rows(float_dir, 0, 1, key_prefix="nope.")
+
+
+def test_benchmark_smoke(tmp_path, monkeypatch):
+    """The benchmark runs (2 gloo processes, tiny widths) and shows the halo bound whatever the tokens."""
+    import pathlib
+    import sys
+
+    bench = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    monkeypatch.syspath_prepend(str(bench))
+    sys.modules.pop("bench_sequence_parallel", None)
+    import bench_sequence_parallel
+
+    rows = bench_sequence_parallel.main(["--smoke", "--tokens-per-rank", "4,32,256", "--repeats", "1",
+                                         "--csv", str(tmp_path / "sp.csv")])
+    halo = {r["tokens_per_rank"]: r for r in rows if r["variant"] == "halo"}
+    gather = {r["tokens_per_rank"]: r for r in rows if r["variant"] == "allgather"}
+    S, C = halo[4]["S"], halo[4]["C"]
+    for r in halo.values():
+        assert r["fwd_elems"] <= (r["world_size"] - 1) * S * C and r["within_bound"] == "True"
+        assert r["bwd_bytes"] == r["fwd_bytes"]
+    assert halo[32]["fwd_bytes"] == halo[256]["fwd_bytes"]           # n >= S: constant
+    assert gather[256]["fwd_bytes"] == 8 * gather[32]["fwd_bytes"]   # all-gather: linear in n
+    assert (tmp_path / "sp.csv").read_text().count("\n") == len(rows) + 1
