@@ -310,19 +310,19 @@ def dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: int,
 
 @custom_op("ple::ple_conv", mutates_args=("residual", "conv_state"))
 def _ple_conv_op(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Tensor,
-                 conv_weights: torch.Tensor, state_indices: torch.Tensor, mode: str, dilation: int,
+                 conv_weights: torch.Tensor, state_indices: torch.Tensor, conv_mode: str, dilation: int,
                  query_start_loc: torch.Tensor | None, has_initial_states: torch.Tensor | None,
                  num_accepted_tokens: torch.Tensor | None, spec_query_len: int,
                  token_indices: torch.Tensor | None, outer_residual: torch.Tensor | None,
                  null_slot: int) -> None:
-    _conv.ple_conv(inputs, residual, conv_state, conv_weights, state_indices, mode=mode, dilation=dilation,
+    _conv.ple_conv(inputs, residual, conv_state, conv_weights, state_indices, mode=conv_mode, dilation=dilation,
                    query_start_loc=query_start_loc, has_initial_states=has_initial_states,
                    num_accepted_tokens=num_accepted_tokens, spec_query_len=spec_query_len,
                    token_indices=token_indices, outer_residual=outer_residual, null_slot=null_slot)
 
 
 @_ple_conv_op.register_fake
-def _(inputs, residual, conv_state, conv_weights, state_indices, mode, dilation, query_start_loc,
+def _(inputs, residual, conv_state, conv_weights, state_indices, conv_mode, dilation, query_start_loc,
       has_initial_states, num_accepted_tokens, spec_query_len, token_indices, outer_residual, null_slot):
     return None
 
