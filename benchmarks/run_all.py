@@ -26,8 +26,8 @@ def main(argv=None) -> int:
     for module in (bench_ngram, bench_gate, bench_conv, bench_step):
         print(f"== {module.__name__}")
         rows += module.main(argv)
-        if "--smoke" not in argv:
-            rows += module.main(argv + ["--backward"]) if module in (bench_gate, bench_conv, bench_step) else []
+        if module in (bench_gate, bench_conv, bench_step):           # training: forward + backward
+            rows += module.main(argv + ["--backward"])
     print(f"all benchmarks: {time.perf_counter() - t0:.0f} s, {len(rows)} rows")
     if table:
         print(markdown(rows))

@@ -24,7 +24,8 @@ def test_benchmarks_smoke(tmp_path, monkeypatch):
     rows = list(csv.DictReader(out.open()))
     benchmarks = {r["benchmark"] for r in rows}
     assert {"ngram_ids", "ngram_embedding", "ple_gate", "ple_conv", "dilated_causal_conv",
-            "layer_step"} <= benchmarks
+            "layer_step", "layer_forward_backward"} <= benchmarks
+    assert any(r["case"].startswith("fwd+bwd") for r in rows if r["benchmark"] == "ple_gate")
     for r in rows:
         assert float(r["ms"]) > 0 and float(r["copy_gbps"]) > 0
         assert r["variant"] in {"triton", "reference", "fused"}
