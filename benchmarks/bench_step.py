@@ -87,7 +87,7 @@ def main(argv=None):
             ids = torch.randint(0, cfg.vocab_size, (1, T), device=device)
             grad = torch.randn_like(hidden)
 
-            def fb(layer):
+            def fb(layer, hidden=hidden, ids=ids, grad=grad):
                 def f():
                     out = layer(hidden, ids)
                     torch.autograd.grad(out, [hidden] + [q for q in layer.parameters()], grad)

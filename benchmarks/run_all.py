@@ -14,7 +14,6 @@ import bench_conv
 import bench_gate
 import bench_ngram
 import bench_step
-import common
 
 
 def main(argv=None) -> int:

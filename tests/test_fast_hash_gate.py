@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 from ple import PLEConfig
 from ple import reference as ref
 from ple.fast import embedding_lookup as fast_lookup  # public ops: torch.library custom ops
-from ple.fast import ple_gate as fast_gate
 from ple.fast import ngram_embedding
 from ple.fast import ngram_ids as fast_ngram_ids
+from ple.fast import ple_gate as fast_gate
 from ple.testing.numerics import assert_bitwise_equal, assert_close
 
 pytestmark = pytest.mark.interpreter

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
-
-import pytest
 
 import ple
 from ple.state import Decode, PLECache, Prefill, Spec
@@ -100,7 +99,7 @@ def test_forward_and_gradients_match_reference(config, data, seed, dtype):
 @settings(max_examples=6)
 def test_schedule_property_with_triton_backend(config, data, seed, layout):
     """The reference's schedule property, on the Triton backend (states checked bit for bit each step)."""
-    script = data.draw(pst.serving_scripts(config, num_spec_tokens=3, max_requests=3, max_prompt=10,
+    script = data.draw(pst.serving_scripts(config, num_spec_tokens=3, max_requests=3, max_live=2, max_prompt=10,
                                            max_generate=4), label="script")
     note(f"config={config}")
     layers, _ = twin_layers(config, seed, num_layers=2)

@@ -14,7 +14,7 @@ import ple
 from ple.state import Decode, PLECache, Prefill, Spec
 from ple.testing import strategies as pst
 from ple.testing.numerics import assert_bitwise_equal
-from ple.testing.serving import conv_inputs_of_step, check_replay, random_script, replay
+from ple.testing.serving import check_replay, conv_inputs_of_step, random_script, replay
 
 
 def make_layers(config, num_layers, seed, backend="reference", dtype=torch.float32):

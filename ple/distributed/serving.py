@@ -28,6 +28,7 @@ import torch
 from .. import _checks
 from ..state.cache import PLECache, StepBatch
 from ..state.items import Decode, Spec
+from ..state.step import realign_windows, step_conv
 from .exchange import halo_exchange
 from .partition import check_bounds, even_bounds, fragments, halo_plan
 from .sequence import EXCHANGES, _cumsum, _embed, local_ngram_ids, resolve_comm
@@ -82,8 +83,7 @@ def sp_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLECach
     state = cache.conv_state(index)                                      # [num_slots, C, W] view
     weights = layer.conv_weights.to(conv_input.dtype)
 
-    for slot, offset in batch.realign:                                   # spec -> non-spec: move the window
-        state[slot, :, :S] = state[slot, :, offset:offset + S].clone()
+    realign_windows(state, batch, S)
 
     if exchange == "allgather":
         _conv_allgather(ops, conv_input, out, hidden_states, state, weights, batch, cache, comm, counts,
@@ -97,29 +97,9 @@ def sp_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLECach
 
 def _conv_allgather(ops, conv_input, out, hidden, state, weights, batch, cache, comm, counts, lo, hi):
     """Every rank runs the whole step's conv on all-gathered inputs, exactly as `layer_step` does."""
-    S = cache.state_len
     full = comm.all_gather_rows(conv_input, counts, "conv_allgather")   # [T, C]
     y = torch.zeros_like(full)
-    common = dict(dilation=cache.config.conv_dilation, null_slot=cache.null_slot)
-    if batch.num_spec_decodes:
-        ops.ple_conv(full, y, state, weights, batch.spec_state_indices, mode="spec",
-                     query_start_loc=batch.spec_query_start_loc,
-                     num_accepted_tokens=batch.num_accepted_tokens, spec_query_len=batch.spec_query_len,
-                     token_indices=batch.spec_token_indices, **common)
-    nd = batch.num_decode_tokens
-    if batch.num_decodes:
-        ops.ple_conv(full, y, state, weights, batch.state_indices[:batch.num_decodes], mode="decode",
-                     has_initial_states=batch.has_initial_states_d,
-                     token_indices=batch.non_spec_token_indices[:nd], **common)
-    if batch.num_prefills:
-        prefill_rows = batch.non_spec_token_indices[nd:]
-        ops.ple_conv(full, y, state, weights, batch.state_indices[batch.num_decodes:], mode="prefill",
-                     query_start_loc=batch.query_start_loc_p, has_initial_states=batch.has_initial_states_p,
-                     token_indices=prefill_rows, **common)
-        if batch.has_checkpoints:
-            ops.export_conv_checkpoints(full, state, query_start_loc=batch.query_start_loc_p,
-                                        offsets=batch.checkpoint_offsets, slots=batch.checkpoint_slots,
-                                        state_len=S, token_indices=prefill_rows, null_slot=cache.null_slot)
+    step_conv(ops, full, y, state, weights, batch, cache)
     # The same rounding as one process: (gated + y) + hidden.
     out.add_(y[lo:hi])
     out.add_(hidden)

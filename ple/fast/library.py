@@ -30,7 +30,7 @@ from .. import _checks
 from ..reference.conv import check_dense_conv_args
 from ..reference.embedding import check_lookup_args
 from ..reference.gate import check_gate_args
-from ..reference.hashing import HashParams, check_ngram_args
+from ..reference.hashing import HashParams
 from . import conv as _conv
 from . import embedding as _embedding
 from . import gate as _gate

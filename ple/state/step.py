@@ -7,7 +7,7 @@ import torch
 from .. import _checks
 from .cache import PLECache, StepBatch
 
-__all__ = ["layer_step"]
+__all__ = ["layer_step", "realign_windows", "step_conv"]
 
 
 @torch.no_grad()
@@ -40,29 +40,43 @@ def layer_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLEC
     out, conv_input = layer.gate(emb, hidden_states)                     # gated becomes the output in place
     state = cache.conv_state(index)                                      # [num_slots, C, W] view
     weights = layer.conv_weights.to(conv_input.dtype)
-    S = cfg.conv_state_len
-    common = dict(dilation=cfg.conv_dilation, outer_residual=hidden_states, null_slot=cache.null_slot)
+    realign_windows(state, batch, cfg.conv_state_len)
+    step_conv(ops, conv_input, out, state, weights, batch, cache, outer_residual=hidden_states)
+    cache.end_layer(batch, index)
+    return out
 
-    for slot, offset in batch.realign:                                   # spec -> non-spec: move the window
-        state[slot, :, :S] = state[slot, :, offset:offset + S].clone()
 
+def realign_windows(state: torch.Tensor, batch: StepBatch, state_len: int) -> None:
+    """Spec -> non-spec: move each such request's window to columns ``[0, S)``, where those modes read."""
+    for slot, offset in batch.realign:
+        state[slot, :, :state_len] = state[slot, :, offset:offset + state_len].clone()
+
+
+def step_conv(ops, conv_input: torch.Tensor, residual: torch.Tensor, state: torch.Tensor, weights: torch.Tensor,
+              batch: StepBatch, cache: PLECache, *, outer_residual: torch.Tensor | None = None) -> None:
+    """The conv calls of one step, as a serving engine makes them, all through ``token_indices``.
+
+    One ``ple_conv`` for the spec rows, one for the decodes, one for the prefills (then
+    their prefix-cache checkpoints); ``residual += y (+ outer_residual)`` in place.
+    """
+    cfg = cache.config
+    common = dict(dilation=cfg.conv_dilation, outer_residual=outer_residual, null_slot=cache.null_slot)
     if batch.num_spec_decodes:
-        ops.ple_conv(conv_input, out, state, weights, batch.spec_state_indices, mode="spec",
+        ops.ple_conv(conv_input, residual, state, weights, batch.spec_state_indices, mode="spec",
                      query_start_loc=batch.spec_query_start_loc, num_accepted_tokens=batch.num_accepted_tokens,
                      spec_query_len=batch.spec_query_len, token_indices=batch.spec_token_indices, **common)
     nd = batch.num_decode_tokens
     if batch.num_decodes:
-        ops.ple_conv(conv_input, out, state, weights, batch.state_indices[:batch.num_decodes], mode="decode",
+        ops.ple_conv(conv_input, residual, state, weights, batch.state_indices[:batch.num_decodes], mode="decode",
                      has_initial_states=batch.has_initial_states_d,
                      token_indices=batch.non_spec_token_indices[:nd], **common)
     if batch.num_prefills:
         prefill_rows = batch.non_spec_token_indices[nd:]
-        ops.ple_conv(conv_input, out, state, weights, batch.state_indices[batch.num_decodes:], mode="prefill",
-                     query_start_loc=batch.query_start_loc_p, has_initial_states=batch.has_initial_states_p,
-                     token_indices=prefill_rows, **common)
+        ops.ple_conv(conv_input, residual, state, weights, batch.state_indices[batch.num_decodes:],
+                     mode="prefill", query_start_loc=batch.query_start_loc_p,
+                     has_initial_states=batch.has_initial_states_p, token_indices=prefill_rows, **common)
         if batch.has_checkpoints:
             ops.export_conv_checkpoints(conv_input, state, query_start_loc=batch.query_start_loc_p,
                                         offsets=batch.checkpoint_offsets, slots=batch.checkpoint_slots,
-                                        state_len=S, token_indices=prefill_rows, null_slot=cache.null_slot)
-    cache.end_layer(batch, index)
-    return out
+                                        state_len=cfg.conv_state_len, token_indices=prefill_rows,
+                                        null_slot=cache.null_slot)
