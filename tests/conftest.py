@@ -23,7 +23,7 @@ torch.set_num_threads(1)
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 settings.register_profile(
-    "ci", max_examples=12, deadline=None, derandomize=True, print_blob=True,
+    "ci", max_examples=25, deadline=None, derandomize=True, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 settings.register_profile(
