@@ -32,6 +32,7 @@ from .config import PLEConfig
 from .offload import embed_rows
 from .offload import start_prefetch as _start_prefetch
 from .quant import QuantizedEmbedding
+from .reference.embedding import embedding_lookup_sparse_grad
 from .reference.hashing import HashParams, hash_params
 
 __all__ = ["PLELayer", "GroupedRMSNorm", "NGramEmbedding"]
@@ -85,12 +86,16 @@ class PLELayer(nn.Module):
     Triton installed; the reference elsewhere). ``layer.backend`` says which was
     picked; it can be changed later with ``layer.set_backend``.
 
+    ``sparse_table_grad=True`` makes the table's gradient a sparse tensor of the rows looked
+    up (for very large tables; use an optimizer that takes sparse gradients, e.g.
+    ``torch.optim.SparseAdam``); its dense value equals the dense gradient.
+
     Initialisation follows the model: the table is normal(0, 1), the projections
     use ``nn.Linear``'s default, the three norms and the conv start at zero.
     """
 
     def __init__(self, config: PLEConfig, ple_layer_index: int = 0, *, backend: str = "reference",
-                 device=None, dtype=None):
+                 device=None, dtype=None, sparse_table_grad: bool = False):
         super().__init__()
         if not isinstance(config, PLEConfig):
             raise TypeError(f"config: expected a PLEConfig, got {type(config).__name__}")
@@ -111,6 +116,7 @@ class PLELayer(nn.Module):
         self.conv1d = nn.Conv1d(C, C, K, groups=C, dilation=config.conv_dilation, bias=False, **kw)
         nn.init.zeros_(self.conv1d.weight)
         self._pending_prefetch = None      # set by start_prefetch, taken by the next embed
+        self.sparse_table_grad = bool(sparse_table_grad)
         self.set_backend(backend)
 
     # ---- backend -------------------------------------------------------------------------------
@@ -143,6 +149,8 @@ class PLELayer(nn.Module):
         table = self.ple_embedding.ngram_embedding
         plain = isinstance(table, nn.Embedding) and table.weight.device == ids.device
         if plain and self._pending_prefetch is None:
+            if self.sparse_table_grad and table.weight.requires_grad and torch.is_grad_enabled():
+                return embedding_lookup_sparse_grad(table.weight, ids, self.ops.embedding_lookup).to(dtype)
             return self.ops.embedding_lookup(table.weight, ids).to(dtype)
         return embed_rows(self, ids, dtype)
 

@@ -11,6 +11,7 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 from torch.func import functional_call
 
+import ple
 from ple import PLEConfig, PLELayer
 from ple.backends import triton_compiled_available
 from ple.reference import hash_params, ngram_ids, ple_gate
@@ -352,3 +353,31 @@ def test_layer_bfloat16_close_to_its_float64_run(seed, L):
     # hidden + gated + y: terms of order 1, each through a few bf16 roundings (2^-9 relative).
     err = (out.double() - exact).abs().max().item()
     assert err <= 2**-5 * exact.abs().max().item() + 2**-6, f"max error {err:.3g}"
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=pytest.mark.interpreter)])
+def test_sparse_table_gradient_equals_dense(backend):
+    config = ple.PLEConfig.preset("tiny")
+    torch.manual_seed(0)
+    dense = ple.PLELayer(config, backend=backend)
+    sparse = ple.PLELayer(config, backend=backend, sparse_table_grad=True)
+    sparse.load_state_dict(dense.state_dict())
+    ids = torch.randint(0, config.vocab_size, (2, 9))
+    ids[:, 4] = config.eos_token_id                     # repeated windows: repeated rows must add up
+    x = torch.randn(2, 9, config.hc_hidden_size)
+    for layer in (dense, sparse):
+        layer(x, torch.cat([ids[:, :5], ids[:, :4]], dim=1)).square().sum().backward()
+    g_dense = dense.ple_embedding.ngram_embedding.weight.grad
+    g_sparse = sparse.ple_embedding.ngram_embedding.weight.grad
+    assert g_sparse.is_sparse and not g_dense.is_sparse
+    assert g_sparse._nnz() == 2 * 9 * config.num_ngram_heads        # only the rows looked up
+    torch.testing.assert_close(g_sparse.to_dense(), g_dense, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(dense.named_parameters(), sparse.parameters()):
+        if "ngram_embedding" not in name:
+            torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6)
+    opt = torch.optim.SparseAdam([sparse.ple_embedding.ngram_embedding.weight], lr=0.1)
+    before = sparse.ple_embedding.ngram_embedding.weight.detach().clone()
+    opt.step()
+    changed = (sparse.ple_embedding.ngram_embedding.weight != before).any(dim=1)
+    assert changed.any()
+    assert set(changed.nonzero().flatten().tolist()) <= set(g_sparse.coalesce().indices()[0].tolist())
