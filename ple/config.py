@@ -164,7 +164,8 @@ class PLEConfig:
         if not isinstance(data, dict):
             raise TypeError(f"data: expected a dict, got {type(data).__name__}")
         if isinstance(data.get("text_config"), dict):
-            data = data["text_config"]
+            # the text part wins; keys only at the top level (e.g. eos_token_id) still count
+            data = {**{k: v for k, v in data.items() if k != "text_config"}, **data["text_config"]}
         names = {f.name for f in dataclasses.fields(cls)}
         kwargs = {k: v for k, v in data.items() if k in names}
         for required in ("vocab_size", "hidden_size", "hc_count", "eos_token_id"):

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _checks
-from .backends import backend_module, resolve_backend
+from .backends import backend_module, resolve_backend, triton_compiled_available
 from .config import PLEConfig
 from .offload import embed_rows
 from .offload import start_prefetch as _start_prefetch
@@ -82,13 +82,15 @@ class PLELayer(nn.Module):
     ``ple.state.PLECache``.
 
     ``backend`` picks the ops: ``"reference"`` (``ple.reference``), ``"triton"``
-    (``ple.fast``) or ``"auto"`` (Triton where it runs compiled, i.e. on CUDA with
-    Triton installed; the reference elsewhere). ``layer.backend`` says which was
-    picked; it can be changed later with ``layer.set_backend``.
+    (``ple.fast``) or ``"auto"`` (Triton where it runs compiled, i.e. when the layer's
+    weights are on a CUDA device and Triton is installed; the reference elsewhere, so
+    moving the layer with ``.to()`` moves the choice with it). ``layer.backend`` says
+    which is in use; it can be changed with ``layer.set_backend``.
 
     ``sparse_table_grad=True`` makes the table's gradient a sparse tensor of the rows looked
-    up (for very large tables; use an optimizer that takes sparse gradients, e.g.
-    ``torch.optim.SparseAdam``); its dense value equals the dense gradient.
+    up (use an optimizer that takes sparse gradients, e.g. ``torch.optim.SparseAdam``); its
+    dense value equals the dense gradient. Use it to train the real model's table: its dense
+    gradient (320M x 160, accumulated in float32) would take about 205 GB.
 
     Initialisation follows the model: the table is normal(0, 1), the projections
     use ``nn.Linear``'s default, the three norms and the conv start at zero.
@@ -122,7 +124,16 @@ class PLELayer(nn.Module):
     # ---- backend -------------------------------------------------------------------------------
     def set_backend(self, backend: str) -> None:
         """Switch the ops this layer runs on (see the class docstring)."""
-        self.backend = resolve_backend(backend)[0]    # the name only: the module is looked up (deepcopy-safe)
+        resolve_backend(backend)                       # validates the name (and that "triton" can run)
+        self._backend_request = backend
+
+    @property
+    def backend(self) -> str:
+        """The backend in use: ``"reference"`` or ``"triton"`` (``"auto"`` decides by the weights' device)."""
+        if self._backend_request == "auto":
+            on_cuda = self.key_proj.weight.is_cuda
+            return "triton" if on_cuda and triton_compiled_available() else "reference"
+        return self._backend_request
 
     @property
     def ops(self) -> ModuleType:

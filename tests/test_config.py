@@ -280,3 +280,14 @@ def test_preset_overrides_and_unknown_name():
 def test_to_dict_round_trips_through_from_dict():
     for c in PRESETS.values():
         assert PLEConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+
+
+def test_from_dict_reads_top_level_keys_beside_text_config():
+    cfg = PLEConfig.from_dict({"eos_token_id": [5, 6], "architectures": ["X"],
+                               "text_config": {"vocab_size": 100, "hidden_size": 8, "hc_count": 1,
+                                               "heads_per_ngram": 2, "ple_embed_dim": 8}})
+    assert cfg.eos_token_id == 5 and cfg.vocab_size == 100
+    inner_wins = PLEConfig.from_dict({"vocab_size": 7, "eos_token_id": 1,
+                                      "text_config": {"vocab_size": 100, "hidden_size": 8, "hc_count": 1,
+                                                      "heads_per_ngram": 2, "ple_embed_dim": 8}})
+    assert inner_wins.vocab_size == 100

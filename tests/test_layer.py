@@ -381,3 +381,9 @@ def test_sparse_table_gradient_equals_dense(backend):
     changed = (sparse.ple_embedding.ngram_embedding.weight != before).any(dim=1)
     assert changed.any()
     assert set(changed.nonzero().flatten().tolist()) <= set(g_sparse.coalesce().indices()[0].tolist())
+
+
+def test_auto_backend_follows_the_weights_device():
+    layer = PLELayer(PLEConfig.preset("tiny"), backend="auto")
+    assert layer.backend == "reference"          # CPU weights: the reference, even where CUDA exists
+    assert layer.ops is ple.reference

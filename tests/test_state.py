@@ -307,3 +307,54 @@ def test_multi_layer_contexts_advance_once_per_step():
         layers[0].step(h, batch, cache)
     layers[1].step(h, batch, cache)
     assert cache.context(s) == [6, 7][-config.context_len:]
+
+
+def test_a_failed_step_can_be_retried_without_moving_the_window_twice(monkeypatch):
+    """Realignment (spec -> decode) is recorded per slot and layer, so a retry after a failure is exact."""
+    config = ple.PLEConfig.preset("tiny")
+    layer, = make_layers(config, 1, 12)
+    cache = PLECache(config, 3, num_spec_tokens=3)
+    s = cache.allocate()
+    C = config.hc_hidden_size
+    g = torch.Generator().manual_seed(13)
+    tokens, hidden, outs = [], [], []
+
+    def run(item, h, keep=None):
+        out = layer.step(h, cache.schedule([item]), cache)
+        n = keep or h.shape[0]
+        if keep:
+            cache.accept(s, keep)
+        tokens.extend((item.tokens if hasattr(item, "tokens") else [item.token])[:n])
+        hidden.append(h[:n])
+        outs.append(out[:n])
+
+    run(Prefill(s, list(range(20, 32))), torch.randn(12, C, generator=g))
+    run(Spec(s, [3, 4, 5, 6]), torch.randn(4, C, generator=g), keep=3)
+    batch = cache.schedule([Decode(s, 7)])
+    h = torch.randn(1, C, generator=g)
+    real = ple.reference.ple_conv
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated kernel failure")
+
+    monkeypatch.setattr(ple.reference, "ple_conv", broken)
+    with pytest.raises(RuntimeError, match="simulated"):
+        layer.step(h, batch, cache)
+    monkeypatch.setattr(ple.reference, "ple_conv", real)
+    outs.append(layer.step(h, batch, cache))
+    tokens.append(7)
+    hidden.append(h)
+    expected = layer(torch.cat(hidden)[None], torch.tensor(tokens)[None])[0]
+    torch.testing.assert_close(torch.cat(outs), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_cache_advances_when_the_last_ple_index_has_run():
+    config = ple.PLEConfig.preset("tiny")
+    layers = make_layers(config, 2, 14)
+    cache = PLECache(config, 3, num_layers=2)
+    s = cache.allocate()
+    batch = cache.schedule([Prefill(s, [5, 6, 7])])
+    layers[1].step(torch.randn(3, config.hc_hidden_size), batch, cache)      # the last PLE index: advance
+    assert cache.context(s) == [6, 7][-config.context_len:]
+    with pytest.raises(ValueError, match="stale"):
+        layers[0].step(torch.randn(3, config.hc_hidden_size), batch, cache)

@@ -28,7 +28,7 @@ import torch
 from .. import _checks
 from ..state.cache import PLECache, StepBatch
 from ..state.items import Decode, Spec
-from ..state.step import realign_windows, step_conv
+from ..state.step import step_conv
 from .exchange import halo_exchange
 from .partition import check_bounds, even_bounds, fragments, halo_plan
 from .sequence import EXCHANGES, _cumsum, _embed, local_ngram_ids, resolve_comm
@@ -83,7 +83,7 @@ def sp_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLECach
     state = cache.conv_state(index)                                      # [num_slots, C, W] view
     weights = layer.conv_weights.to(conv_input.dtype)
 
-    realign_windows(state, batch, S)
+    cache.realign_windows(batch, index, state)
 
     if exchange == "allgather":
         _conv_allgather(ops, conv_input, out, hidden_states, state, weights, batch, cache, comm, counts,

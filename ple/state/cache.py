@@ -49,6 +49,7 @@ class _Slot:
     num_accepted: int = 1                # the window the next step reads: columns [n-1, n-1+S)
     spec_tokens: list | None = None      # tokens of the last step if it was a spec step
     spec_context: list | None = None     # the context before that spec step
+    realigned: list = field(default_factory=list)  # PLE layers whose window was already moved to [0, S)
 
 
 @dataclass
@@ -204,6 +205,7 @@ class PLECache:
         dst.num_accepted = src.num_accepted
         dst.spec_tokens = None if src.spec_tokens is None else list(src.spec_tokens)
         dst.spec_context = None if src.spec_context is None else list(src.spec_context)
+        dst.realigned = list(src.realigned)
         return new
 
     def accept(self, slot: int, n: int) -> None:
@@ -379,11 +381,26 @@ class PLECache:
         if self._in_flight is not None and self._in_flight is not batch:
             raise ValueError("batch: another step is in flight")
 
+    def realign_windows(self, batch: StepBatch, layer: int, state: torch.Tensor) -> None:
+        """Spec -> non-spec: move the window each such request reads to columns ``[0, S)`` of ``state``.
+
+        Done once per slot and layer (recorded in the slot), so a step that fails after
+        this and is run again does not move the window twice.
+        """
+        S = self.state_len
+        for slot, offset in batch.realign:
+            record = self._slots[slot].realigned
+            if layer in record:
+                continue
+            state[slot, :, :S] = state[slot, :, offset:offset + S].clone()
+            record.append(layer)
+
     def end_layer(self, batch: StepBatch, layer: int) -> None:
-        """Record that ``layer`` ran; after the last PLE layer, advance contexts and bookkeeping."""
+        """Record that ``layer`` ran; once the layer with the last PLE index has run, advance the
+        contexts and bookkeeping (SPEC section 7)."""
         batch.layers_done.add(layer)
         self._in_flight = batch
-        if len(batch.layers_done) < self.num_layers:
+        if layer != self.num_layers - 1:
             return
         self._in_flight = None
         self._version += 1
@@ -392,6 +409,7 @@ class PLECache:
             if isinstance(item, Spec):
                 s.spec_context = list(s.context)
                 s.spec_tokens = list(tokens)
+                s.realigned = []
                 s.num_accepted = len(tokens)            # all kept until accept() says otherwise
                 s.context = self._roll(s.context, tokens)
                 s.length += len(tokens)
@@ -405,7 +423,7 @@ class PLECache:
                 s.started = True
             s.context = self._roll(s.context, tokens)
             s.length += len(tokens)
-            s.num_accepted, s.spec_tokens, s.spec_context = 1, None, None
+            s.num_accepted, s.spec_tokens, s.spec_context, s.realigned = 1, None, None, []
 
     # ---- save / load ---------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
@@ -414,8 +432,8 @@ class PLECache:
 
         self._not_in_flight("save")
         table = [dict(active=s.active, started=s.started, length=s.length, context=s.context,
-                      num_accepted=s.num_accepted, spec_tokens=s.spec_tokens, spec_context=s.spec_context)
-                 for s in self._slots]
+                      num_accepted=s.num_accepted, spec_tokens=s.spec_tokens, spec_context=s.spec_context,
+                      realigned=s.realigned) for s in self._slots]
         meta = dict(config=self.config.to_dict(), num_slots=self.num_slots, num_spec_tokens=self.num_spec_tokens,
                     num_layers=self.num_layers, layout=self.layout, slots=table, format="ple.PLECache/1")
         save_file({"conv_states": self.conv_states.contiguous().cpu(), "contexts": self.contexts},

@@ -7,7 +7,7 @@ import torch
 from .. import _checks
 from .cache import PLECache, StepBatch
 
-__all__ = ["layer_step", "realign_windows", "step_conv"]
+__all__ = ["layer_step", "step_conv"]
 
 
 @torch.no_grad()
@@ -40,16 +40,10 @@ def layer_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLEC
     out, conv_input = layer.gate(emb, hidden_states)                     # gated becomes the output in place
     state = cache.conv_state(index)                                      # [num_slots, C, W] view
     weights = layer.conv_weights.to(conv_input.dtype)
-    realign_windows(state, batch, cfg.conv_state_len)
+    cache.realign_windows(batch, index, state)
     step_conv(ops, conv_input, out, state, weights, batch, cache, outer_residual=hidden_states)
     cache.end_layer(batch, index)
     return out
-
-
-def realign_windows(state: torch.Tensor, batch: StepBatch, state_len: int) -> None:
-    """Spec -> non-spec: move each such request's window to columns ``[0, S)``, where those modes read."""
-    for slot, offset in batch.realign:
-        state[slot, :, :state_len] = state[slot, :, offset:offset + state_len].clone()
 
 
 def step_conv(ops, conv_input: torch.Tensor, residual: torch.Tensor, state: torch.Tensor, weights: torch.Tensor,
