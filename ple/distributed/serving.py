@@ -68,7 +68,7 @@ def sp_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLECach
 
     cfg = layer.config
     ops = layer.ops
-    N1, S = cfg.context_len, cfg.conv_state_len
+    N1 = cfg.context_len
     starts = _checks.host_list(batch.query_start_loc)
     frags = fragments(starts, lo, hi)
     local_starts = _cumsum(b - a for _, a, b in frags)
