@@ -28,7 +28,6 @@ Rows are appended to ``benchmarks/results/sequence_parallel.csv``.
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
 import os
 import statistics
@@ -216,15 +215,8 @@ def report(rows, args, backend: str) -> None:
               f"{r['fwd_bytes']:>12} {r['bwd_bytes']:>12} {r['fwd_elems']!s:>10} {r['bound_elems']!s:>9} "
               f"{r['ms_fwd']:>8} {r['ms_fwd_bwd']:>8}"
               + ("" if r["within_bound"] in ("", "True") else "   EXCEEDS (W-1)*S*C"))
-    if args.csv and rows:
-        path = Path(args.csv)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        new = not path.exists()
-        with path.open("a", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=FIELDS)
-            if new:
-                w.writeheader()
-            w.writerows([dict(env, backend=backend, **r) for r in rows])
+    if args.csv:
+        common.append_csv(args.csv, [dict(env, backend=backend, **r) for r in rows], FIELDS)
 
 
 def main(argv=None) -> list[dict]:

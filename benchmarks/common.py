@@ -157,16 +157,23 @@ def run_case(args, benchmark: str, case: str, dtype: torch.dtype, device: torch.
         rows.append(row)
         print(f"  {case:28s} {name:10s} {ms:10.4f} ms {gbps:9.1f} GB/s ({gbps / copy:6.1%} of copy)"
               f"  x{row['vs_reference'] or '-':>6} vs ref  x{row['vs_compiled'] or '-':>6} vs compiled")
-    if args.csv and rows:
-        path = Path(args.csv)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        new = not path.exists()
-        with path.open("a", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=FIELDS)
-            if new:
-                w.writeheader()
-            w.writerows(rows)
+    if args.csv:
+        append_csv(args.csv, rows, FIELDS)
     return rows
+
+
+def append_csv(path, rows: list[dict], fields: list[str]) -> None:
+    """Append ``rows`` to the CSV at ``path`` (header written when the file is new)."""
+    if not rows:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    with path.open("a", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=fields)
+        if new:
+            w.writeheader()
+        w.writerows(rows)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

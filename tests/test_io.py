@@ -18,6 +18,7 @@ from ple.__main__ import main
 from ple.io.files import Checkpoint, Entry, write_file
 from ple.io.layout import shard_rows
 from ple.quant import QuantizedEmbedding, dequantize, error_bound, quantize
+from ple.testing.layers import random_layer as _random_layer
 from ple.testing.numerics import assert_bitwise_equal
 
 TINY = PLEConfig.preset("tiny")                      # 6128 rows of D = 4, two PLE layers, split_ngram_parts 4
@@ -26,15 +27,7 @@ TABLE = "ple_embedding.ngram_embedding.weight"
 
 
 def random_layer(cfg=TINY, index=0, dtype=torch.bfloat16, seed=0) -> PLELayer:
-    layer = PLELayer(cfg, index, dtype=dtype)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            scale = 0.3 if "norm" in name or "conv" in name else 1.0
-            if "proj" in name:
-                scale = p.shape[1] ** -0.5
-            p.copy_((torch.randn(p.shape, generator=gen) * scale).to(p.dtype))
-    return layer
+    return _random_layer(cfg, index, dtype, seed)
 
 
 def assert_same_layer(a: PLELayer, b: PLELayer) -> None:

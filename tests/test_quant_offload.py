@@ -24,6 +24,7 @@ from ple.quant import (
     reference_lookup,
 )
 from ple.state import PLECache
+from ple.testing.layers import random_layer as _random_layer
 from ple.testing.numerics import assert_bitwise_equal
 from ple.testing.serving import random_script, replay
 
@@ -31,16 +32,7 @@ TINY = PLEConfig.preset("tiny")
 
 
 def random_layer(cfg=TINY, index=0, dtype=torch.bfloat16, seed=0) -> PLELayer:
-    """Every parameter random (norms and conv too), so every path of the layer matters."""
-    layer = PLELayer(cfg, index, dtype=dtype)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            scale = 0.3 if "norm" in name or "conv" in name else 1.0
-            if "proj" in name:
-                scale = p.shape[1] ** -0.5
-            p.copy_((torch.randn(p.shape, generator=gen) * scale).to(p.dtype))
-    return layer
+    return _random_layer(cfg, index, dtype, seed)
 
 
 def table_of(gen, rows, D, *, magnitude=1.0, dtype=torch.bfloat16):
