@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from types import ModuleType
@@ -13,16 +14,21 @@ __all__ = ["resolve_backend", "backend_module", "triton_available", "triton_comp
 BACKENDS = ("reference", "triton", "auto")
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
     """Triton is importable and can run here: compiled on CUDA, or interpreted with TRITON_INTERPRET=1."""
-    if importlib.util.find_spec("triton") is None:
+    if not _triton_installed():
         return False
     return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def triton_compiled_available() -> bool:
     """Triton can run compiled (not interpreted): Triton is installed and a CUDA device is present."""
-    return (importlib.util.find_spec("triton") is not None and torch.cuda.is_available()
+    return (_triton_installed() and torch.cuda.is_available()
             and os.environ.get("TRITON_INTERPRET") != "1")
 
 

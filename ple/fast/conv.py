@@ -30,7 +30,7 @@ Serving step (``ple_conv``): two launches.
 ``export_conv_checkpoints`` is one copy kernel (inputs -> state columns ``[0, S)``);
 it reads no state.
 
-Training (``dilated_causal_conv``): a ``torch.autograd.Function`` over three
+Training (``dilated_causal_conv``, whose autograd is registered in ``library.py``): three
 kernels, all tiled ``(time tiles, channel blocks)`` like prefill (dense
 ``[B, L, C]`` tiles are computed from the program id; packed ``[T, C]`` with
 ``cu_seqlens`` uses a per-tile table). Forward writes ``y``. Backward recomputes the
@@ -70,9 +70,8 @@ import triton
 import triton.language as tl
 
 from .. import _checks
-from ..reference.conv import check_dense_conv_args
 
-__all__ = ["ple_conv", "export_conv_checkpoints", "dilated_causal_conv"]
+__all__ = ["ple_conv", "export_conv_checkpoints"]   # the training conv: ple.fast.dilated_causal_conv (library.py)
 
 PREFILL_BLOCK_T = 32     # rows per prefill / training time tile
 MAX_BLOCK_C = 128        # channels per program
@@ -672,38 +671,3 @@ def _bwd(dy, x, weight, dilation, cu_seqlens, tiles, need_dx, need_dw):
         dx.zero_()
     dw = dw_acc.to(weight.dtype) if need_dw else None
     return dx, dw
-
-
-class _DilatedCausalConv(torch.autograd.Function):
-    """Saves ``x`` and ``weight`` (and the tile table); backward recomputes the pre-activation."""
-
-    @staticmethod
-    def forward(ctx, x, weight, dilation, cu_seqlens, tiles):
-        ctx.save_for_backward(x, weight, cu_seqlens, tiles)
-        ctx.dilation = dilation
-        return _fwd(x, weight, dilation, cu_seqlens, tiles)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
-        x, weight, cu_seqlens, tiles = ctx.saved_tensors
-        need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dx, dw = _bwd(dy, x, weight, ctx.dilation, cu_seqlens, tiles, need_dx, need_dw)
-        return dx, dw, None, None, None
-
-
-def dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: int,
-                        cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(causal dilated depthwise conv(x))`` over whole sequences, with autograd.
-
-    ``x`` is ``[B, L, C]`` (each row a sequence) or packed ``[T, C]`` with ``cu_seqlens``
-    (``[R+1]``) cutting it into sequences; a 2-D ``x`` without ``cu_seqlens`` is one
-    sequence. ``weight`` is ``[C, K]``. Every sequence starts with zero history. Returns
-    ``y`` with ``x``'s shape and dtype (contiguous). Any float dtype, float64 included
-    (gradcheck). Backward saves only ``x`` and ``weight`` and recomputes the
-    pre-activation; ``dweight`` is reduced across time tiles with float32 (float64)
-    atomic adds, so its last bits may vary from run to run.
-    """
-    starts = check_dense_conv_args(x, weight, dilation, cu_seqlens)
-    tiles = _tile_table(starts, PREFILL_BLOCK_T, x.device) if starts is not None else None
-    return _DilatedCausalConv.apply(x, weight, dilation, cu_seqlens, tiles)

@@ -11,8 +11,9 @@ Kernel design:
   ids accumulate; the buffer is cast to the table's dtype on the host. Atomic float adds
   are unordered on a GPU, so the last bits of a row hit many times may vary run to run.
 
-The gradient is dense ``[rows, D]``, like ``F.embedding``'s default. (A sparse gradient,
-``F.embedding(..., sparse=True)``-style, is not provided yet.)
+The gradient is dense ``[rows, D]``, like ``F.embedding``'s default; for a sparse one see
+``ple.reference.embedding_lookup_sparse_grad`` (``PLELayer(sparse_table_grad=True)``). The
+public, autograd-aware op is ``ple.fast.embedding_lookup`` (``ple.fast.library``).
 """
 
 from __future__ import annotations
@@ -21,9 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.embedding import check_lookup_args
-
-__all__ = ["embedding_lookup"]
+__all__: list[str] = []   # launchers only; the public op is ple.fast.embedding_lookup (library.py)
 
 _BLOCK_T = 32
 
@@ -98,28 +97,3 @@ def _lookup_bwd(grad_out: torch.Tensor, ids: torch.Tensor, num_rows: int, dtype:
                                  ids.stride(1), dw, T, D, IS_FP64=acc == torch.float64, BLOCK_T=_BLOCK_T,
                                  BLOCK_D=_block_d(D))
     return dw.to(dtype)
-
-
-class _EmbeddingLookup(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, weight, ids):
-        if ctx.needs_input_grad[0]:
-            ctx.save_for_backward(ids)
-            ctx.num_rows = weight.shape[0]
-            ctx.weight_dtype = weight.dtype
-        return _lookup_fwd(weight, ids)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        (ids,) = ctx.saved_tensors
-        return _lookup_bwd(grad_out, ids, ctx.num_rows, ctx.weight_dtype), None
-
-
-def embedding_lookup(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """``weight[ids]`` flattened per token: ``[rows, D]`` and ``[T, NH]`` give ``[T, NH * D]``.
-
-    Head h's row occupies columns ``[h * D, (h + 1) * D)``. ``ids`` may be any integer
-    dtype; autograd reaches ``weight`` (dense gradient, accumulated over repeated ids).
-    """
-    check_lookup_args(weight, ids)
-    return _EmbeddingLookup.apply(weight, ids)

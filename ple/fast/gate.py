@@ -50,9 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..reference.gate import check_gate_args
-
-__all__ = ["ple_gate"]
+__all__: list[str] = []   # launchers only; the public op is ple.fast.ple_gate (library.py)
 
 _BWD_PROGRAMS_T = 256   # token blocks of the backward: bounds the weight-gradient partials to [3, 256, C]
 
@@ -289,31 +287,3 @@ def _gate_bwd(dgated, dconv, key, value, hidden_states, wk, wq, wc, eps):
         )
     dw = dw.sum(1)                                                   # [3, C] over token blocks
     return (dkey, dvalue.to(dt), dhidden, dw[0].to(wk.dtype), dw[1].to(wq.dtype), dw[2].to(wc.dtype))
-
-
-class _PLEGate(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, key, value, hidden_states, wk, wq, wc, eps):
-        ctx.save_for_backward(key, value, hidden_states, wk, wq, wc)
-        ctx.eps = eps
-        return _gate_fwd(key, value, hidden_states, wk, wq, wc, eps)
-
-    @staticmethod
-    def backward(ctx, dgated, dconv):
-        key, value, hidden_states, wk, wq, wc = ctx.saved_tensors
-        grads = _gate_bwd(dgated, dconv, key, value, hidden_states, wk, wq, wc, ctx.eps)
-        return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:6], strict=True)), None)
-
-
-def ple_gate(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor,
-             norm_key_weight: torch.Tensor, norm_query_weight: torch.Tensor,
-             norm_conv_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gate the value by how well each stream's key agrees with its hidden state (see the reference).
-
-    Shapes: ``key`` and ``hidden_states`` ``[T, C]``, ``value`` ``[T, H]`` with ``C = M * H``,
-    norm weights ``[C]``. Returns ``(gated, conv_input)``, both ``[T, C]`` in the input
-    dtype. Differentiable in all six tensors.
-    """
-    check_gate_args(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps)
-    return _PLEGate.apply(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight,
-                          float(eps))
