@@ -1,13 +1,32 @@
 """ple: the hashed n-gram embedding (PLE) layer of Qwen4Exp.
 
 * ``ple.reference``: eager PyTorch, the specification of every op.
-* ``ple.fast``: Triton kernels with the same names and signatures.
+* ``ple.fast``: Triton kernels with the same names and signatures (imports Triton, so it
+  loads on first use: ``ple.fast`` or ``import ple.fast``).
 * ``ple.state``: per-request conv-state caches and the step scheduler.
+* ``ple.io``: checkpoints in the model's safetensors layout.
+* ``ple.testing``: tolerances, strategies and checkers for testing kernels.
+* ``ple.table``: the n-gram table (dense, quantized, host-offloaded; sharded in ``ple.distributed``).
 * ``ple.PLELayer``: the layer, on either backend (``backend="reference" | "triton" | "auto"``).
+
+After a bare ``import ple``, ``ple.reference``, ``ple.state``, ``ple.io`` and
+``ple.testing`` are usable as attributes (SPEC section 7); ``ple.fast`` and
+``ple.distributed`` are imported when first used.
 """
 
+import importlib
+
+from . import io, reference, state, table, testing
 from .config import PRESETS, PLEConfig
 from .layer import PLELayer
 
-__all__ = ["PLEConfig", "PRESETS", "PLELayer"]
+__all__ = ["PLEConfig", "PRESETS", "PLELayer", "reference", "state", "io", "testing", "table"]
 __version__ = "0.1.0"
+
+_LAZY = ("fast", "distributed")
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

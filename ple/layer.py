@@ -12,10 +12,11 @@ with ``load_state_dict(strict=True)``::
     norm_key.weight / norm_query.weight / norm_conv.weight   [C]
     conv1d.weight                          [C, 1, K]
 
-The table may be quantized (``NGramEmbedding.quantize_``, ``ple.quant``: an FP8 or int8
-``weight`` plus ``ple_embedding.ngram_embedding.weight_scale``) and may stay in host
-memory while the rest runs on the GPU (``ple.offload``), with its rows fetched ahead of
-time by ``layer.start_prefetch``.
+The table (``layer.table``, one ``ple.table.Table``) may be quantized
+(``NGramEmbedding.quantize_``, ``ple.quant``: an FP8 or int8 ``weight`` plus
+``ple_embedding.ngram_embedding.weight_scale``), sharded over ranks (``ple.distributed``)
+and may stay in host memory while the rest runs on the GPU (``ple.offload``), with its
+rows fetched ahead of time by ``layer.start_prefetch``.
 """
 
 from __future__ import annotations
@@ -29,11 +30,9 @@ from torch import nn
 from . import _checks
 from .backends import backend_module, resolve_backend, triton_compiled_available
 from .config import PLEConfig
-from .offload import embed_rows
 from .offload import start_prefetch as _start_prefetch
-from .quant import QuantizedEmbedding
-from .reference.embedding import embedding_lookup_sparse_grad
 from .reference.hashing import HashParams, hash_params
+from .table import DenseTable, QuantizedTable, Table
 
 __all__ = ["PLELayer", "GroupedRMSNorm", "NGramEmbedding"]
 
@@ -52,12 +51,25 @@ class GroupedRMSNorm(nn.Module):
 
 
 class NGramEmbedding(nn.Module):
-    """The hashed n-gram table of one PLE layer and its hash parameters as int64 buffers."""
+    """The hashed n-gram table of one PLE layer (``ple.table``) and its hash parameters as int64 buffers.
 
-    def __init__(self, config: PLEConfig, ple_layer_index: int, device=None, dtype=None):
+    ``table`` defaults to a `DenseTable` of the config's size; any other `Table` (quantized,
+    sharded, ...) must have the same number of rows and row width.
+    """
+
+    def __init__(self, config: PLEConfig, ple_layer_index: int, device=None, dtype=None, *,
+                 table: Table | None = None, sparse_grad: bool = False):
         super().__init__()
         params = hash_params(config, ple_layer_index)
-        self.ngram_embedding = nn.Embedding(params.num_rows, config.ngram_head_dim, device=device, dtype=dtype)
+        D = config.ngram_head_dim
+        if table is None:
+            table = DenseTable(params.num_rows, D, device=device, dtype=dtype, sparse_grad=sparse_grad)
+        elif not isinstance(table, Table):
+            raise TypeError(f"table: expected a ple.table.Table, got {type(table).__name__}")
+        elif (table.num_rows, table.dim) != (params.num_rows, D):
+            raise ValueError(f"table: PLE index {ple_layer_index} of this config needs a table of "
+                             f"{params.num_rows} rows of {D}, got {table.num_rows} rows of {table.dim}")
+        self.ngram_embedding = table
         self.register_buffer("layer_multipliers", params.multipliers.to(device))
         self.register_buffer("ngram_heads_vocab_sizes", params.head_sizes.to(device))
         self.register_buffer("ngram_heads_offsets", params.head_offsets.to(device))
@@ -66,11 +78,11 @@ class NGramEmbedding(nn.Module):
     def hash_params(self) -> HashParams:
         """The hash parameters as stored in this module's buffers (so loaded buffers are what is used)."""
         return HashParams(self.layer_multipliers, self.ngram_heads_vocab_sizes, self.ngram_heads_offsets,
-                          self.ngram_embedding.weight.shape[0], self.vocab_size)
+                          self.ngram_embedding.num_rows, self.vocab_size)
 
     def quantize_(self, scheme: str) -> None:
         """Replace the float table by its quantization, in place: ``"fp8"`` or ``"int8"`` (``ple.quant``)."""
-        self.ngram_embedding = QuantizedEmbedding.from_float(self.ngram_embedding.weight.detach(), scheme)
+        self.ngram_embedding = QuantizedTable.from_float(self.ngram_embedding.weight.detach(), scheme)
 
 
 class PLELayer(nn.Module):
@@ -92,12 +104,16 @@ class PLELayer(nn.Module):
     dense value equals the dense gradient. Use it to train the real model's table: its dense
     gradient (320M x 160, accumulated in float32) would take about 205 GB.
 
+    ``table`` replaces the default dense table by any ``ple.table.Table`` of the same size
+    (a quantized one, or ``ple.distributed``'s sharded one), so no table is built only to
+    be swapped out.
+
     Initialisation follows the model: the table is normal(0, 1), the projections
     use ``nn.Linear``'s default, the three norms and the conv start at zero.
     """
 
     def __init__(self, config: PLEConfig, ple_layer_index: int = 0, *, backend: str = "reference",
-                 device=None, dtype=None, sparse_table_grad: bool = False):
+                 device=None, dtype=None, sparse_table_grad: bool = False, table: Table | None = None):
         super().__init__()
         if not isinstance(config, PLEConfig):
             raise TypeError(f"config: expected a PLEConfig, got {type(config).__name__}")
@@ -109,7 +125,8 @@ class PLELayer(nn.Module):
         self.ple_layer_index = ple_layer_index
         C, H, E, K = config.hc_hidden_size, config.hidden_size, config.ple_embed_dim, config.ple_conv_kernel_size
         kw = dict(device=device, dtype=dtype)
-        self.ple_embedding = NGramEmbedding(config, ple_layer_index, **kw)
+        self.ple_embedding = NGramEmbedding(config, ple_layer_index, **kw, table=table,
+                                            sparse_grad=sparse_table_grad)
         self.key_proj = nn.Linear(E, C, bias=False, **kw)
         self.value_proj = nn.Linear(E, H, bias=False, **kw)
         self.norm_key = GroupedRMSNorm(C, H, config.rms_norm_eps, **kw)
@@ -117,8 +134,6 @@ class PLELayer(nn.Module):
         self.norm_conv = GroupedRMSNorm(C, H, config.rms_norm_eps, **kw)
         self.conv1d = nn.Conv1d(C, C, K, groups=C, dilation=config.conv_dilation, bias=False, **kw)
         nn.init.zeros_(self.conv1d.weight)
-        self._pending_prefetch = None      # set by start_prefetch, taken by the next embed
-        self.sparse_table_grad = bool(sparse_table_grad)
         self.set_backend(backend)
 
     # ---- backend -------------------------------------------------------------------------------
@@ -150,20 +165,19 @@ class PLELayer(nn.Module):
             raise TypeError(f"hidden_states: expected the layer's dtype {self.key_proj.weight.dtype}, "
                             f"got {hidden_states.dtype}")
 
-    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows of the table for hash ids ``[T, NH]``, concatenated: ``[T, E]`` in ``dtype``.
+    @property
+    def table(self) -> Table:
+        """The n-gram table, ``ple_embedding.ngram_embedding`` (a ``ple.table.Table``)."""
+        return self.ple_embedding.ngram_embedding
 
-        A quantized table is dequantized to ``dtype``; a table in host memory is gathered
-        there; rows fetched by `start_prefetch` for these same ids are used instead of a
-        new lookup (``ple.offload``). All give the bits of the in-memory lookup.
-        """
-        table = self.ple_embedding.ngram_embedding
-        plain = isinstance(table, nn.Embedding) and table.weight.device == ids.device
-        if plain and self._pending_prefetch is None:
-            if self.sparse_table_grad and table.weight.requires_grad and torch.is_grad_enabled():
-                return embedding_lookup_sparse_grad(table.weight, ids, self.ops.embedding_lookup).to(dtype)
-            return self.ops.embedding_lookup(table.weight, ids).to(dtype)
-        return embed_rows(self, ids, dtype)
+    @property
+    def sparse_table_grad(self) -> bool:
+        """Whether the table's gradient is sparse (``PLELayer(sparse_table_grad=True)``)."""
+        return self.table.sparse_grad
+
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows of the table for hash ids ``[T, NH]``, concatenated: ``[T, E]`` in ``dtype`` (``Table.rows``)."""
+        return self.table.rows(ids, dtype, ops=self.ops)
 
     def start_prefetch(self, input_ids: torch.Tensor, query_start_loc: torch.Tensor | None = None,
                        ngram_context: torch.Tensor | None = None) -> None:
@@ -173,7 +187,7 @@ class PLELayer(nn.Module):
         ``batch.query_start_loc``, ``batch.ngram_context``). On CUDA the gather and the
         copy to the device run in the background while the preceding layer runs;
         without CUDA they run now. The next `forward` / `step` whose ids match uses them
-        (``layer.prefetch_verify = False`` compares shapes only, saving a device sync).
+        (``layer.table.prefetch_verify = False`` compares shapes only, saving a device sync).
         """
         _start_prefetch(self, input_ids, query_start_loc, ngram_context)
 
@@ -194,21 +208,23 @@ class PLELayer(nn.Module):
                 attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, L, C]`` hidden states and ``[B, L]`` token ids -> ``[B, L, C]``.
 
-        Every row is a whole sequence from its start. Where ``attention_mask`` is 0 the
+        Every row is a whole sequence from its start. ``input_ids`` is int32 or int64;
+        ``attention_mask`` is bool, integer or float (non-zero keeps). Where it is 0 the
         token hashes as EOS and its gated value and conv input are zeroed before the
         convolution (so left or right padding does not leak into real tokens).
         """
         self._check_hidden(hidden_states, 3)
         B, L, C = hidden_states.shape  # batch, length, channels (hc_count * hidden_size)
         dev = hidden_states.device
-        _checks.tensor("input_ids", input_ids, kind="anyint", device=dev, shape=(B, L))
+        _checks.tensor("input_ids", input_ids, kind="int", device=dev, shape=(B, L))
         eos = self.config.eos_token_id
         keep = None
         if attention_mask is not None:
             _checks.tensor("attention_mask", attention_mask, device=dev, shape=(B, L))
-            if attention_mask.dtype.is_floating_point:
-                raise TypeError(f"attention_mask: expected a bool or integer tensor, got {attention_mask.dtype}")
-            keep = attention_mask.bool()
+            if attention_mask.dtype.is_complex:
+                raise TypeError(f"attention_mask: expected a bool, integer or float tensor, got "
+                                f"{attention_mask.dtype}")
+            keep = attention_mask != 0                            # non-zero keeps, as in transformers
             input_ids = torch.where(keep, input_ids, torch.full_like(input_ids, eos))
         query_start_loc = torch.arange(B + 1, device=dev, dtype=torch.int64) * L
         ids = self.ops.ngram_ids(input_ids.reshape(B * L), self.ple_embedding.hash_params(),

@@ -12,11 +12,11 @@ scheme    ``weight``          ``weight_scale``          scale
 ``int8``  int8                ``[rows, 1]`` float32     ``max|row| / 127``, per row
 ========  ==================  ========================  ==============================
 
-The lookup gathers *quantized* rows (`quantized_lookup`: raw bytes, so any gather
-kernel, e.g. ``ple.fast.embedding_lookup``, moves them bit for bit) and `dequantize_rows`
-turns them into the model dtype: ``(q.float() * scale).to(dtype)``, one rounding. The
-reference (`reference_lookup`) dequantizes the whole table first and then looks up;
-both give the same bits.
+The table (``ple.table.QuantizedTable``) gathers *quantized* rows (``ple.table.gather_raw``:
+raw bytes, so any gather kernel, e.g. ``ple.fast.embedding_lookup``, moves them bit for bit)
+and `dequantize_rows` turns them into the model dtype: ``(q.float() * scale).to(dtype)``,
+one rounding. The reference (`reference_lookup`) dequantizes the whole table first and
+then looks up; both give the same bits.
 
 Error against the float table ``w`` (bounds asserted elementwise by `error_bound` in
 ``tests/test_quant_offload.py``; measured there by ``test_error_report`` on a bfloat16
@@ -38,12 +38,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 __all__ = [
-    "Scheme", "SCHEMES", "scheme_of", "quantize", "fp8_scale", "dequantize", "dequantize_rows",
-    "quantized_lookup", "reference_lookup", "error_bound", "QuantizedEmbedding",
+    "Scheme", "SCHEMES", "scheme_of", "as_scheme", "quantize", "fp8_scale", "dequantize", "dequantize_rows",
+    "reference_lookup", "error_bound",
 ]
 
 
@@ -71,7 +69,8 @@ def scheme_of(dtype: torch.dtype) -> Scheme | None:
     return None
 
 
-def _scheme(scheme) -> Scheme:
+def as_scheme(scheme) -> Scheme:
+    """A `Scheme` from itself or its name (``"fp8"``, ``"int8"``)."""
     if isinstance(scheme, Scheme):
         return scheme
     if scheme not in SCHEMES:
@@ -95,7 +94,7 @@ def quantize(table: torch.Tensor, scheme, *, scale: torch.Tensor | None = None):
     need a shared scale. Values are divided by the scale in float32, rounded to nearest
     and saturated at the scheme's range.
     """
-    s = _scheme(scheme)
+    s = as_scheme(scheme)
     if not isinstance(table, torch.Tensor) or table.dim() != 2 or not table.dtype.is_floating_point \
             or scheme_of(table.dtype) is not None:
         what = f"{table.dtype} {tuple(table.shape)}" if isinstance(table, torch.Tensor) \
@@ -121,31 +120,12 @@ def dequantize(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dt
     return (weight.float() * weight_scale.float()).to(dtype)
 
 
-def quantized_lookup(weight: torch.Tensor, weight_scale: torch.Tensor, ids: torch.Tensor, *, lookup=None):
-    """Gather the quantized rows of hash ids ``[T, NH]``: ``(rows [T, NH*D], row_scale)``.
-
-    ``lookup(weight, ids)`` is an ``embedding_lookup`` (default: ``ple.reference``'s); it
-    gathers the raw bytes (an FP8 table is viewed as uint8), so any gather kernel copies
-    the values exactly. ``row_scale`` is the ``[1]`` per-tensor scale, or ``[T, NH]``
-    with each gathered row's scale for a per-row table. Feed both to `dequantize_rows`.
-    """
-    if lookup is None:
-        from .reference.embedding import embedding_lookup as lookup
-    raw = weight.view(torch.uint8) if weight.dtype.is_floating_point else weight
-    rows = lookup(raw, ids).view(weight.dtype)                               # [T, NH*D]
-    if weight_scale.dim() == 2:                                               # per row: [rows, 1]
-        T, NH = ids.shape
-        row_scale = F.embedding(ids.to(torch.int64), weight_scale).reshape(T, NH)
-    else:
-        row_scale = weight_scale
-    return rows, row_scale
-
-
 def dequantize_rows(rows: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Quantized rows ``[T, NH*D]`` and their scales (``[1]`` or ``[T, NH]``) -> ``[T, NH*D]``, ``dtype``."""
     if row_scale.dim() == 2:
         T, NH = row_scale.shape
-        return dequantize(rows.reshape(T, NH, -1), row_scale[:, :, None], dtype).reshape(rows.shape)
+        D = rows.shape[1] // NH if NH else 0
+        return dequantize(rows.reshape(T, NH, D), row_scale[:, :, None], dtype).reshape(rows.shape)
     return dequantize(rows, row_scale, dtype)
 
 
@@ -164,7 +144,7 @@ def error_bound(table: torch.Tensor, scheme, *, out_dtype: torch.dtype = torch.f
     bfloat16 / float16 the output rounding (half an ulp of the result,
     ``<= eps/2 * (|w| + bound)``) is added.
     """
-    s = _scheme(scheme)
+    s = as_scheme(scheme)
     x = table.detach().float()
     if s.per_row:
         bound = (x.abs().amax(dim=1, keepdim=True) / 254.0).expand_as(x)
@@ -176,75 +156,3 @@ def error_bound(table: torch.Tensor, scheme, *, out_dtype: torch.dtype = torch.f
         bound = bound + torch.finfo(out_dtype).eps / 2 * (x.abs() + bound)
     return bound
 
-
-class QuantizedEmbedding(nn.Module):
-    """A quantized ``[rows, D]`` table: buffers ``weight`` (fp8 or int8) and ``weight_scale`` (float32).
-
-    It replaces ``nn.Embedding`` as ``layer.ple_embedding.ngram_embedding`` (see
-    ``NGramEmbedding.quantize_``), so the state-dict keys are the model's:
-    ``ple_embedding.ngram_embedding.weight`` and ``ple_embedding.ngram_embedding.weight_scale``.
-    It holds no parameters (a quantized table is not trained). Moving the module
-    (``.to(device)``, ``.cuda()``) moves the buffers; a dtype cast (``layer.to(torch.bfloat16)``)
-    leaves both buffers as they are, bit for bit.
-    """
-
-    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor):
-        super().__init__()
-        s = scheme_of(weight.dtype)
-        if s is None or weight.dim() != 2:
-            raise ValueError(f"weight: expected a 2-D {' or '.join(str(x.dtype) for x in SCHEMES.values())} "
-                             f"tensor, got {weight.dtype} {tuple(weight.shape)}")
-        want = (weight.shape[0], 1) if s.per_row else (1,)
-        if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != want:
-            raise ValueError(f"weight_scale: expected float32 {want} for a {s.name} table, got "
-                             f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
-        self.register_buffer("weight", weight)
-        self.register_buffer("weight_scale", weight_scale)
-
-    @classmethod
-    def from_float(cls, table: torch.Tensor, scheme) -> QuantizedEmbedding:
-        return cls(*quantize(table, scheme))
-
-    @classmethod
-    def empty(cls, num_rows: int, dim: int, scheme, device=None) -> QuantizedEmbedding:
-        """An uninitialised table (e.g. on the meta device, filled by ``load_state_dict(assign=True)``)."""
-        s = _scheme(scheme)
-        scale_shape = (num_rows, 1) if s.per_row else (1,)
-        return cls(torch.empty(num_rows, dim, dtype=s.dtype, device=device),
-                   torch.ones(scale_shape, dtype=torch.float32, device=device))
-
-    @property
-    def scheme(self) -> Scheme:
-        return scheme_of(self.weight.dtype)
-
-    @property
-    def num_embeddings(self) -> int:
-        return self.weight.shape[0]
-
-    @property
-    def embedding_dim(self) -> int:
-        return self.weight.shape[1]
-
-    def lookup(self, ids: torch.Tensor, *, lookup=None):
-        """Quantized rows of ``[T, NH]`` ids: ``(rows, row_scale)`` (see `quantized_lookup`)."""
-        return quantized_lookup(self.weight, self.weight_scale, ids, lookup=lookup)
-
-    def dequantize(self, rows: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows from `lookup` -> ``[T, NH*D]`` in ``dtype`` (the seed's ``_dequantize_embeddings``)."""
-        return dequantize_rows(rows, row_scale, dtype)
-
-    def _apply(self, fn, recurse=True):
-        # Present the buffers as integer views while `fn` runs, so device moves apply and
-        # dtype casts (which only touch floating-point tensors) do not.
-        w, s = self._buffers["weight"], self._buffers["weight_scale"]
-        self._buffers["weight"] = w.view(torch.uint8) if w.dtype.is_floating_point else w
-        self._buffers["weight_scale"] = s.view(torch.int32)
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            self._buffers["weight"] = self._buffers["weight"].view(w.dtype)
-            self._buffers["weight_scale"] = self._buffers["weight_scale"].view(torch.float32)
-        return self
-
-    def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, scheme={self.scheme.name}"

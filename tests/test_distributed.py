@@ -25,13 +25,11 @@ import torch.distributed as dist
 import ple
 from ple.distributed import (
     Comm,
-    ShardedEmbedding,
     ShardedPLELayer,
-    checkpoint_table_shards,
+    ShardedTable,
     even_bounds,
     fragments,
     halo_plan,
-    load_table_rows,
     sp_forward,
     sp_step,
     spawn,
@@ -140,9 +138,9 @@ def check_table_quantized(rank, W, ckpt_dir):
     for q, scale in tables:
         per_row = scale[ids.reshape(-1)].reshape(T, NH, 1) if scale.shape[0] == rows else scale
         expected = (q[ids].float() * per_row).reshape(T, NH * D).to(torch.bfloat16)
-        table = ShardedEmbedding.from_full(q, weight_scale=scale)
+        table = ShardedTable.from_full(q, weight_scale=scale)
         expect(table.quantized and not table.weight.requires_grad, "a quantized table, without gradient")
-        got = table(ids, dtype=torch.bfloat16)
+        got = table.rows(ids, torch.bfloat16)
         same_bits(got, expected, f"{q.dtype} lookup")
         lo, hi = bounds[rank], bounds[rank + 1]
         counts = [bounds[r + 1] - bounds[r] for r in range(W)]
@@ -170,16 +168,60 @@ def check_checkpoint_rows(rank, W, ckpt_dir):
     """A rank's rows (and their scales) come straight from the checkpoint shards that hold them."""
     full, = make_layers()
     sharded = ShardedPLELayer(CONFIG, 0)
-    sharded.load_table_from_checkpoint(ckpt_dir + "/float", key_prefix=CKPT_PREFIX)
+    sharded.load_table_from_checkpoint(ckpt_dir + "/float", prefix=CKPT_PREFIX)
     t = sharded.table
     want = full.ple_embedding.ngram_embedding.weight.detach()[t.row_start:t.row_end]
     same_bits(t.weight.detach(), want, "rows from the checkpoint")
     q, scale = int8_table(full)
-    sharded.load_table_from_checkpoint(ckpt_dir + "/int8", key_prefix=CKPT_PREFIX)
+    sharded.load_table_from_checkpoint(ckpt_dir + "/int8", prefix=CKPT_PREFIX)
     t = sharded.table
     expect(t.weight.dtype == torch.int8 and t.scale_kind == "row", "an int8 shard with row scales")
     same_bits(t.weight.detach(), q[t.row_start:t.row_end], "int8 rows from the checkpoint")
     same_bits(t.weight_scale, scale[t.row_start:t.row_end], "row scales from the checkpoint")
+
+
+def check_checkpoint_reads(rank, W, ckpt_dir):
+    """Only the shards that overlap a rank's rows are read, and only those rows (ple.io's one reader);
+    a checkpoint of another config is refused, naming the key."""
+    from ple.io.files import Checkpoint
+    from ple.io.layout import plan_layer
+
+    full = make_layers()[0].ple_embedding.ngram_embedding.weight.detach()
+    float_dir = ckpt_dir + "/float"
+    pieces = plan_layer(Checkpoint.open(float_dir), CONFIG, 0, CKPT_PREFIX).pieces
+    expect([p.start for p in pieces] == [0, 1226, 2452, 3678, 4904] and pieces[-1].stop == full.shape[0],
+           f"shard starts {[p.start for p in pieces]}")
+    read = []
+    original = Checkpoint.read
+
+    def spy(self, key, start=None, stop=None):
+        if "ngram_embedding" in key:
+            read.append((key.rsplit(".", 2)[-2], start, stop))
+        return original(self, key, start, stop)
+
+    Checkpoint.read = spy
+    try:
+        sharded = ShardedPLELayer(CONFIG, 0, row_range=(2000, 3000))
+        sharded.load_table_from_checkpoint(float_dir, prefix=CKPT_PREFIX)
+        same_bits(sharded.table.weight.detach(), full[2000:3000], "rows 2000..3000")
+        expect(sharded.table.scale is None, "a float table has no scale")
+        expect(read == [("shard_1", 774, 1226), ("shard_2", 0, 548)], f"only the overlapping rows: {read}")
+        read.clear()
+        empty = ShardedPLELayer(CONFIG, 0, row_range=(7, 7))
+        empty.load_table_from_checkpoint(float_dir, prefix=CKPT_PREFIX)
+        expect(empty.table.weight.shape == (0, full.shape[1]) and not read, f"an empty range reads {read}")
+    finally:
+        Checkpoint.read = original
+    for make, match in ((lambda: ShardedPLELayer(CONFIG, 0, row_range=(0, full.shape[0] + 1)), "row_range"),
+                        (lambda: sharded.load_table_from_checkpoint(float_dir, prefix="nope."),
+                         "prefix: no key starts with 'nope.'"),
+                        (lambda: ShardedPLELayer(CONFIG.replace(seed=CONFIG.seed + 1), 0, row_range=(0, 10))
+                         .load_table_from_checkpoint(float_dir, prefix=CKPT_PREFIX), "layer_multipliers")):
+        try:
+            make()
+            expect(False, f"no ValueError matching {match!r}")
+        except ValueError as e:
+            expect(match in str(e), f"{match!r} not in {e}")
 
 
 def _script(slots, eos, g):
@@ -341,6 +383,7 @@ CHECKS = {
     "table_forward_backward": check_table_forward_backward,
     "table_quantized": check_table_quantized,
     "checkpoint_rows": check_checkpoint_rows,
+    "checkpoint_reads": check_checkpoint_reads,
     "step_sharded_table": check_step_sharded_table,
     "sp_step_halo": check_sp_step_halo,
     "sp_step_allgather": check_sp_step_allgather,
@@ -372,29 +415,18 @@ def run_checks(rank, world_size, names, ckpt_dir):
 
 # ---- the parent side ------------------------------------------------------------------------------
 def int8_table(layer):
-    """A symmetric per-row int8 quantization of the layer's table: ``(q [rows, D], scale [rows, 1])``."""
-    w = layer.ple_embedding.ngram_embedding.weight.detach().float()
-    scale = w.abs().amax(dim=1, keepdim=True) / 127
-    return torch.round(w / scale).clamp(-127, 127).to(torch.int8), scale
+    """The layer's table quantized per row by ``ple.quant``: ``(q [rows, D], scale [rows, 1])``."""
+    from ple.quant import quantize
+
+    return quantize(layer.ple_embedding.ngram_embedding.weight.detach(), "int8")
 
 
 def write_checkpoint(path, layer, parts, *, quantized=False):
-    """The checkpoint's table layout: shard k holds rows from k * ceil(rows / parts); split over files."""
-    from safetensors.torch import save_file
+    """The model's layout by ``ple.io.save``: shard k holds rows from k * ceil(rows / parts); several files."""
+    from ple import io as pio
 
-    path.mkdir(parents=True, exist_ok=True)
-    w, scale = int8_table(layer) if quantized else (layer.ple_embedding.ngram_embedding.weight.detach(), None)
-    rows = w.shape[0]
-    per = -(-rows // parts)
-    key = CKPT_PREFIX + "ple_embedding.ngram_embedding.shard_{}.{}"
-    tensors = {key.format(k, "weight"): w[k * per:min((k + 1) * per, rows)].clone() for k in range(parts)}
-    if quantized:
-        tensors.update({key.format(k, "weight_scale"): scale[k * per:min((k + 1) * per, rows)].clone()
-                        for k in range(parts)})
-    names = sorted(tensors)
-    save_file({n: tensors[n] for n in names[::2]}, str(path / "model-00001.safetensors"))
-    save_file({n: tensors[n] for n in names[1::2]}, str(path / "model-00002.safetensors"))
-    save_file({CKPT_PREFIX + "other.weight": torch.zeros(2)}, str(path / "model-00003.safetensors"))
+    pio.save(layer, path, prefix=CKPT_PREFIX, parts=parts, table_dtype="int8" if quantized else None,
+             max_file_bytes=40_000)
 
 
 @pytest.fixture(scope="module")
@@ -458,66 +490,6 @@ def test_halo_plan_bound_and_coverage():
             assert got == list(range(p.start, lo))
             for src, _, n in p.recvs:                # matched by the sender's plan
                 assert any(dst == k and h - l_ == n for dst, l_, h in plans[src].sends)
-
-
-def test_load_table_rows_reads_only_overlapping_shards(checkpoint_dir, monkeypatch):
-    import safetensors
-
-    layer = make_layers()[0]
-    full = layer.ple_embedding.ngram_embedding.weight.detach()
-    float_dir = checkpoint_dir + "/float"
-    pieces, tensor_scale = checkpoint_table_shards(float_dir, key_prefix=CKPT_PREFIX)
-    assert [p.start for p in pieces] == [0, 1226, 2452, 3678, 4904] and pieces[-1].stop == full.shape[0]
-    assert tensor_scale is None
-    real = safetensors.safe_open
-    read = []
-
-    class Recording:
-        """safe_open that records every slice read."""
-
-        def __init__(self, path, framework):
-            self.f = real(path, framework=framework)
-
-        def __enter__(self):
-            self.inner = self.f.__enter__()
-            return self
-
-        def __exit__(self, *exc):
-            return self.f.__exit__(*exc)
-
-        def keys(self):
-            return self.inner.keys()
-
-        def get_slice(self, key):
-            inner = self.inner.get_slice(key)
-
-            class Slice:
-                def get_shape(self):
-                    return inner.get_shape()
-
-                def __getitem__(self, index):
-                    read.append((key.rsplit(".", 2)[-2], index.start, index.stop))
-                    return inner[index]
-
-            return Slice()
-
-    monkeypatch.setattr(safetensors, "safe_open", Recording)
-    rows, scale = load_table_rows(float_dir, 2000, 3000, key_prefix=CKPT_PREFIX)
-    assert_bitwise_equal(rows, full[2000:3000], name="rows 2000..3000")
-    assert scale is None
-    assert read == [("shard_1", 774, 1226), ("shard_2", 0, 548)]      # only the overlapping rows
-    rows, scale = load_table_rows(float_dir, 7, 7, key_prefix=CKPT_PREFIX)
-    assert rows.shape == (0, full.shape[1])
-    monkeypatch.undo()
-
-    q, s = int8_table(layer)
-    rows, scale = load_table_rows(checkpoint_dir + "/int8", 2000, 4100, key_prefix=CKPT_PREFIX)
-    assert_bitwise_equal(rows, q[2000:4100], name="int8 rows")
-    assert_bitwise_equal(scale, s[2000:4100], name="int8 row scales")
-    with pytest.raises(ValueError, match="start, end"):
-        load_table_rows(float_dir, 0, full.shape[0] + 1, key_prefix=CKPT_PREFIX)
-    with pytest.raises(ValueError, match="no 'nope.ple_embedding"):
-        load_table_rows(float_dir, 0, 1, key_prefix="nope.")
 
 
 def test_benchmark_smoke(tmp_path, monkeypatch):

@@ -624,7 +624,8 @@ OTHER_CASES = [
     ("layer-ids-shape", layer_call(input_ids=torch.zeros(2, 5, dtype=I64)), ValueError, "input_ids"),
     ("layer-ids-float", layer_call(input_ids=torch.zeros(2, 4)), TypeError, "input_ids"),
     ("layer-ids-past-vocab", layer_call(input_ids=torch.full((2, 4), 1000)), ValueError, "input_ids"),
-    ("layer-mask-float", layer_call(attention_mask=torch.ones(2, 4)), TypeError, "attention_mask"),
+    ("layer-mask-complex", layer_call(attention_mask=torch.ones(2, 4, dtype=torch.complex64)), TypeError,
+     "attention_mask"),
     (
         "layer-mask-shape",
         layer_call(attention_mask=torch.ones(2, 3, dtype=torch.bool)),

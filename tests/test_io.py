@@ -17,7 +17,8 @@ from ple import PLEConfig, PLELayer
 from ple.__main__ import main
 from ple.io.files import Checkpoint, Entry, write_file
 from ple.io.layout import shard_rows
-from ple.quant import QuantizedEmbedding, dequantize, error_bound, quantize
+from ple.quant import dequantize, error_bound, quantize
+from ple.table import QuantizedTable
 from ple.testing.layers import random_layer as _random_layer
 from ple.testing.numerics import assert_bitwise_equal
 
@@ -140,7 +141,7 @@ def test_loads_the_models_own_layout(tmp_path):
             sd[p + k] = v
     loaded = pio.load_layer(write(tmp_path / "model", sd))
     t = loaded.ple_embedding.ngram_embedding
-    assert isinstance(t, QuantizedEmbedding) and torch.equal(t.weight.view(torch.uint8), q.view(torch.uint8))
+    assert isinstance(t, QuantizedTable) and torch.equal(t.weight.view(torch.uint8), q.view(torch.uint8))
     assert torch.equal(t.weight_scale, s)
     assert loaded.key_proj.weight.dtype == torch.bfloat16                    # the norms' dtype
     assert torch.equal(loaded.key_proj.weight, (kv_q[:48].float() * kv_scale[0]).to(torch.bfloat16))

@@ -13,17 +13,10 @@ from hypothesis import strategies as st
 from ple import PLEConfig, PLELayer
 from ple.backends import triton_available
 from ple.offload import is_offloaded, offload_table
-from ple.quant import (
-    SCHEMES,
-    QuantizedEmbedding,
-    dequantize,
-    dequantize_rows,
-    error_bound,
-    quantize,
-    quantized_lookup,
-    reference_lookup,
-)
+from ple.quant import SCHEMES, dequantize, dequantize_rows, error_bound, quantize, reference_lookup
+from ple.reference import embedding_lookup
 from ple.state import PLECache
+from ple.table import QuantizedTable, gather_raw
 from ple.testing.layers import random_layer as _random_layer
 from ple.testing.numerics import assert_bitwise_equal
 from ple.testing.serving import random_script, replay
@@ -102,9 +95,9 @@ def test_quantize_rejects_bad_input():
     with pytest.raises(ValueError, match="scale"):
         quantize(torch.zeros(2, 2), "int8", scale=torch.ones(1))
     with pytest.raises(ValueError, match="weight_scale"):
-        QuantizedEmbedding(torch.zeros(3, 2, dtype=torch.int8), torch.ones(1))
+        QuantizedTable(torch.zeros(3, 2, dtype=torch.int8), torch.ones(1))
     with pytest.raises(ValueError, match="weight"):
-        QuantizedEmbedding(torch.zeros(3, 2), torch.ones(1))
+        QuantizedTable(torch.zeros(3, 2), torch.ones(1))
 
 
 @pytest.mark.parametrize("scheme", sorted(SCHEMES))
@@ -116,7 +109,7 @@ def test_quantized_lookup_equals_reference(scheme, out):
     q, s = quantize(w, scheme)
     ids = torch.randint(0, 97, (13, 6), generator=gen)
     expected = reference_lookup(q, s, ids, out)
-    rows, row_scale = quantized_lookup(q, s, ids)
+    rows, row_scale = gather_raw(q, s, ids, embedding_lookup)
     assert rows.dtype == q.dtype
     assert_bitwise_equal(dequantize_rows(rows, row_scale, out), expected, name="quantized lookup")
 
@@ -133,7 +126,7 @@ def test_fast_quantized_lookup_equals_reference(scheme):
     w = table_of(gen, 61, 7)
     q, s = quantize(w, scheme)
     ids = torch.randint(0, 61, (9, 4), generator=gen)
-    rows, row_scale = quantized_lookup(q, s, ids, lookup=fast_lookup)
+    rows, row_scale = gather_raw(q, s, ids, fast_lookup)
     assert_bitwise_equal(dequantize_rows(rows, row_scale, torch.bfloat16),
                          reference_lookup(q, s, ids, torch.bfloat16), name="fast quantized lookup")
 
@@ -145,7 +138,7 @@ def test_quantized_layer(scheme):
     table = layer.ple_embedding.ngram_embedding.weight.detach().clone()
     layer.ple_embedding.quantize_(scheme)
     qt = layer.ple_embedding.ngram_embedding
-    assert isinstance(qt, QuantizedEmbedding) and qt.weight.dtype == SCHEMES[scheme].dtype
+    assert isinstance(qt, QuantizedTable) and qt.weight.dtype == SCHEMES[scheme].dtype
     sd = layer.state_dict()
     assert "ple_embedding.ngram_embedding.weight_scale" in sd
     assert "ple_embedding.ngram_embedding.weight" not in dict(layer.named_parameters())
@@ -170,7 +163,7 @@ def test_quantized_layer(scheme):
     assert layer.key_proj.weight.dtype == torch.float32
 
     fresh = random_layer(seed=9)
-    fresh.ple_embedding.ngram_embedding = QuantizedEmbedding.empty(qt.num_embeddings, qt.embedding_dim,
+    fresh.ple_embedding.ngram_embedding = QuantizedTable.empty(qt.num_rows, qt.dim,
                                                                    scheme)
     fresh.load_state_dict(sd)
     assert_bitwise_equal(fresh.ple_embedding.ngram_embedding.weight, w_bits, name="loaded weight")
@@ -205,9 +198,9 @@ class PrefetchingLayer(PLELayer):
 
     def step(self, hidden_states, batch, cache):
         self.start_prefetch(batch.input_ids, batch.query_start_loc, batch.ngram_context)
-        assert self._pending_prefetch is not None
+        assert self.table.pending_prefetch is not None
         out = super().step(hidden_states, batch, cache)
-        assert self._pending_prefetch is None                     # consumed
+        assert self.table.pending_prefetch is None                     # consumed
         return out
 
 
@@ -260,14 +253,14 @@ def test_prefetch_forward_and_mismatch(scheme):
         expected = ref(h, ids)
         layer.start_prefetch(ids.reshape(-1), torch.arange(B + 1) * L)
         assert_bitwise_equal(layer(h, ids), expected, name="prefetched forward")
-        assert layer._pending_prefetch is None
+        assert layer.table.pending_prefetch is None
         # A prefetch of other tokens is not used: looked up again, with a warning.
         layer.start_prefetch((ids.reshape(-1) + 1) % TINY.vocab_size, torch.arange(B + 1) * L)
         with pytest.warns(UserWarning, match="do not match"):
             got = layer(h, ids)
         assert_bitwise_equal(got, expected, name="forward after a stale prefetch")
         # prefetch_verify = False trusts any prefetch of the right shape (here, wrongly).
-        layer.prefetch_verify = False
+        layer.table.prefetch_verify = False
         layer.start_prefetch((ids.reshape(-1) + 1) % TINY.vocab_size, torch.arange(B + 1) * L)
         assert not torch.equal(layer(h, ids), expected)
 
@@ -276,14 +269,14 @@ def test_prefetch_bad_arguments_change_nothing():
     layer = random_layer()
     good = torch.tensor([5, 6, 7])
     layer.start_prefetch(good)
-    pending = layer._pending_prefetch
+    pending = layer.table.pending_prefetch
     with pytest.raises(ValueError, match="input_ids"):
         layer.start_prefetch(torch.tensor([5, TINY.vocab_size]))
     with pytest.raises(TypeError, match="input_ids"):
         layer.start_prefetch(torch.tensor([1.0, 2.0]))
     with pytest.raises(ValueError, match="query_start_loc"):
         layer.start_prefetch(good, torch.tensor([0, 2]))
-    assert layer._pending_prefetch is pending
+    assert layer.table.pending_prefetch is pending
 
 
 def test_prefetch_not_used_when_the_table_needs_a_gradient():

@@ -2,8 +2,9 @@
 
 * Sharded table: `ShardedPLELayer` (a `PLELayer` whose n-gram table is split by
   rows over a process group; ``forward`` and ``step`` unchanged) and
-  `ShardedEmbedding`, with quantized tables and `load_table_rows` (a rank's rows
-  read straight from the checkpoint's table shards).
+  `ShardedTable` (a ``ple.table.Table``), with quantized tables and
+  ``ShardedPLELayer.load_table_from_checkpoint`` (a rank's rows read straight from the
+  checkpoint through ``ple.io.read_table_rows``).
 * Sequence parallelism: `sp_forward` (a packed training batch split across
   ranks, with autograd) and `sp_step` (a serving step split across ranks, same
   outputs and cache states as one process). The conv's history comes from a
@@ -24,20 +25,11 @@ from .launch import spawn
 from .partition import HaloPlan, even_bounds, fragments, halo_plan, row_range
 from .sequence import EXCHANGES, sp_dilated_causal_conv, sp_forward, sync_grads
 from .serving import sp_step
-from .table import (
-    ShardedEmbedding,
-    ShardedNGramEmbedding,
-    ShardedPLELayer,
-    TablePiece,
-    checkpoint_table_shards,
-    is_float_table,
-    load_table_rows,
-)
+from .table import ShardedPLELayer, ShardedTable
 
 __all__ = [
     "Comm", "as_comm", "spawn", "even_bounds", "row_range", "fragments", "HaloPlan", "halo_plan",
     "halo_exchange", "all_gather_rows", "EXCHANGES", "sp_forward", "sp_dilated_causal_conv", "sync_grads",
     "sp_step",
-    "ShardedEmbedding", "ShardedNGramEmbedding", "ShardedPLELayer", "load_table_rows",
-    "checkpoint_table_shards", "TablePiece", "is_float_table",
+    "ShardedTable", "ShardedPLELayer",
 ]

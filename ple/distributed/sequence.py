@@ -28,7 +28,7 @@ from .. import _checks
 from .comm import Comm, as_comm
 from .exchange import all_gather_rows, halo_exchange
 from .partition import check_bounds, even_bounds, fragments, halo_plan
-from .table import ShardedEmbedding, ShardedPLELayer
+from .table import ShardedPLELayer, ShardedTable
 
 __all__ = ["sp_forward", "sp_dilated_causal_conv", "sync_grads", "resolve_comm", "EXCHANGES"]
 
@@ -170,12 +170,12 @@ def sp_dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: i
 def sync_grads(module: torch.nn.Module, group=None) -> None:
     """Sum every replicated parameter's gradient over the group, in place (after sequence-parallel backward).
 
-    Tables of `ShardedEmbedding` modules are skipped: their gradients are already
+    Tables of `ShardedTable` modules are skipped: their gradients are already
     complete for their rows. A parameter that needs a gradient but got none here
     (a rank with no rows) counts as zero, so every rank makes the same calls.
     """
     comm = as_comm(group)
-    sharded = {id(m.weight) for m in module.modules() if isinstance(m, ShardedEmbedding)}
+    sharded = {id(m.weight) for m in module.modules() if isinstance(m, ShardedTable)}
     for p in module.parameters():
         if id(p) in sharded or not p.requires_grad:
             continue

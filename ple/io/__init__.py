@@ -1,9 +1,13 @@
 """Weights in and out: PLE layers in the model's safetensors layout.
 
-* `load_layer` / `load_layers`: from a file, a directory or a sharded index, with any
-  key prefix (the model's is ``model.language_model.layers.{i}.ple.``), the table whole
-  or in ``split_ngram_parts`` shards, float, FP8 or int8, separate or merged kv
-  projection; every key checked against the config first (see ``ple.io.layout``).
+* `load_layer` / `load_layers`: from a file, a directory or a sharded index (the
+  directory or its ``model.safetensors.index.json``), with any key prefix (the model's is
+  ``model.language_model.layers.{i}.ple.``), the table whole or in ``split_ngram_parts``
+  shards, float, FP8 or int8, separate or merged kv projection; every key checked against
+  the config first (see ``ple.io.layout``).
+* `read_table_rows`: rows ``[start, end)`` of one layer's table (e.g. one rank's share of
+  a sharded table), checked as `load_layer` checks, reading only the shards and rows
+  that hold them; `read_table` reads the whole table the same way.
 * `save`: the same layout, sharded and optionally quantized, streamed to disk.
 * `convert`: re-shard a checkpoint's tables or change their dtype, block by block.
 * `inspect`: what a checkpoint holds, from its headers.
@@ -14,11 +18,11 @@ Command line: ``python -m ple inspect PATH`` and ``python -m ple convert SRC DST
 from .files import Checkpoint, TensorInfo
 from .inspect import format_inspect, inspect
 from .layout import MODEL_PREFIX, LayerPlan, find_layers, model_prefix, plan_layer, shard_rows
-from .load import LoadReport, load_layer, load_layers, read_table, resolve_config
+from .load import LoadReport, load_layer, load_layers, read_table, read_table_rows, resolve_config
 from .save import convert, save
 
 __all__ = [
     "Checkpoint", "TensorInfo", "inspect", "format_inspect", "MODEL_PREFIX", "LayerPlan", "find_layers",
     "model_prefix", "plan_layer", "shard_rows", "LoadReport", "load_layer", "load_layers", "read_table",
-    "resolve_config", "convert", "save",
+    "read_table_rows", "resolve_config", "convert", "save",
 ]

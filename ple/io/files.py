@@ -2,7 +2,9 @@
 
 `Checkpoint.open` reads headers only (names, dtypes, shapes); tensor data is read on
 demand, a block of rows at a time, through ``safe_open(...).get_slice`` (memory-mapped),
-so nothing larger than the block asked for is ever in memory. `write_file` writes a
+so nothing larger than the block asked for is ever in memory. A file that is not
+safetensors (a ``torch.save`` pickle), truncated, or cut short after it was opened is a
+``ValueError`` naming the file (and the tensor being read). `write_file` writes a
 safetensors file from tensors given as *producers* of row blocks, so a table larger
 than RAM can be re-sharded or converted one block at a time.
 """
@@ -23,6 +25,7 @@ __all__ = ["TensorInfo", "Checkpoint", "Entry", "write_file", "write_files", "IN
            "ST_DTYPES", "dtype_name", "human_bytes"]
 
 INDEX_NAME = "model.safetensors.index.json"
+_INDEX_SUFFIX = ".safetensors.index.json"
 
 ST_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -73,6 +76,25 @@ def _bad(file: Path, size: int, why: str) -> ValueError:
     return ValueError(f"path: {file} is not a readable safetensors file ({size} bytes): {why}")
 
 
+def _pickle_kind(head: bytes) -> str | None:
+    """What a file starting with ``head`` is if it is a ``torch.save`` output: None if it is not."""
+    if head.startswith(b"PK\x03\x04"):
+        return "a zip archive"                    # torch.save's default format
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return "a pickle"                         # torch.save(..., _use_new_zipfile_serialization=False)
+    return None
+
+
+def _not_safetensors(file: Path, size: int, head: bytes, why: str) -> ValueError:
+    """The error for a header that does not parse: a torch.save file is named as one."""
+    kind = _pickle_kind(head)
+    if kind is None:
+        return _bad(file, size, why)
+    return ValueError(f"path: {file} is a torch.save/pickle file ({kind}), not safetensors; load it with "
+                      f"torch.load(path, weights_only=True) and write it with ple.io.save (a PLE layer) or "
+                      f"safetensors.torch.save_file")
+
+
 def read_header(file: Path) -> tuple[dict, dict[str, tuple[torch.dtype, tuple, int, int]]]:
     """``(metadata, {key: (dtype, shape, begin, end)})`` of one file, byte offsets from the file start.
 
@@ -89,11 +111,12 @@ def read_header(file: Path) -> tuple[dict, dict[str, tuple[torch.dtype, tuple, i
             raise _bad(file, size, "truncated before the header length (truncated file?)")
         n = struct.unpack("<Q", head)[0]
         if n > _MAX_HEADER or 8 + n > size:
-            raise _bad(file, size, f"header length {n} does not fit the file (truncated file?)")
+            raise _not_safetensors(file, size, head, f"header length {n} does not fit the file (truncated "
+                                                     f"file?)")
         try:
             header = json.loads(fh.read(n).decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise _bad(file, size, f"the header is not JSON ({e})") from None
+            raise _not_safetensors(file, size, head, f"the header is not JSON ({e})") from None
     if not isinstance(header, dict):
         raise _bad(file, size, "the header is not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
@@ -121,9 +144,13 @@ def read_header(file: Path) -> tuple[dict, dict[str, tuple[torch.dtype, tuple, i
         if begin != pos:
             raise _bad(file, size, f"{key}: data_offsets leave a gap or overlap at byte {pos}")
         pos = end
-    if 8 + n + pos != size:
-        what = "truncated file" if 8 + n + pos > size else "trailing bytes"
-        raise _bad(file, size, f"the header describes {8 + n + pos} bytes ({what}?)")
+    if 8 + n + pos > size:
+        cut = [key for begin, end, key in spans if 8 + n + end > size]
+        raise _bad(file, size, f"the header describes {8 + n + pos} bytes (truncated file?): the data of "
+                               f"{cut[0]}{f' and {len(cut) - 1} more tensor(s)' if len(cut) > 1 else ''} "
+                               f"ends past the end of the file")
+    if 8 + n + pos < size:
+        raise _bad(file, size, f"the header describes {8 + n + pos} bytes (trailing bytes?)")
     return metadata, tensors
 
 
@@ -131,12 +158,16 @@ class Checkpoint:
     """Header-only index of a checkpoint: ``key -> TensorInfo`` over all its files.
 
     Open with `Checkpoint.open` from a ``.safetensors`` file, a directory (its
-    ``model.safetensors.index.json`` if present, else every ``*.safetensors`` in it) or a
-    list of files. Opening reads and checks the headers only (`read_header`); a key in
-    two files, an index entry its file lacks, or a bad file is a ``ValueError``.
+    ``model.safetensors.index.json`` if present, else its only ``*.safetensors.index.json``,
+    else every ``*.safetensors`` in it), an index file itself (like its directory, with
+    that index) or a list of files. Opening reads and checks the headers only
+    (`read_header`); a key in two files, an index entry its file lacks, or a bad file is
+    a ``ValueError``.
 
     Data is read by `read`: ``safe_open(...).get_slice`` (memory-mapped) where the
-    file can be mapped, else positioned reads of just the rows asked for.
+    file can be mapped, else positioned reads of just the rows asked for. A file whose
+    size changed since it was opened (truncated, or rewritten) is a ``ValueError``
+    naming the file and the key, before any of its data is touched.
     """
 
     def __init__(self, files: list[Path], root: Path):
@@ -146,8 +177,10 @@ class Checkpoint:
         self.metadata: dict[str, str] = {}
         self._offsets: dict[str, tuple[int, int]] = {}
         self._handles: dict[Path, object] = {}
+        self._sizes: dict[Path, int] = {}
         for file in files:
             metadata, tensors = read_header(file)
+            self._sizes[file] = file.stat().st_size
             for k, v in metadata.items():
                 self.metadata.setdefault(k, v)
             for key, (dtype, shape, begin, end) in tensors.items():
@@ -170,29 +203,41 @@ class Checkpoint:
                             f"{type(path).__name__}")
         path = Path(path)
         if path.is_dir():
-            index = path / INDEX_NAME
-            if index.exists():
-                with open(index, encoding="utf-8") as fh:
-                    weight_map = json.load(fh).get("weight_map")
-                if not isinstance(weight_map, dict):
-                    raise ValueError(f"path: {index} has no 'weight_map'")
-                names = sorted(set(weight_map.values()))
-                missing = [n for n in names if not (path / n).exists()]
-                if missing:
-                    raise ValueError(f"path: {index} lists files that do not exist: {missing}")
-                ckpt = cls([path / n for n in names], path)
-                for key, name in weight_map.items():
-                    info = ckpt.tensors.get(key)
-                    if info is None or info.file.name != name:
-                        raise ValueError(f"{key}: {index} places it in {name}, which does not hold it")
-                return ckpt
+            indexes = sorted(path.glob("*" + _INDEX_SUFFIX))
+            if (path / INDEX_NAME).exists() or len(indexes) == 1:
+                return cls._from_index(path / INDEX_NAME if (path / INDEX_NAME).exists() else indexes[0])
             files = sorted(path.glob("*.safetensors"))
             if not files:
                 raise ValueError(f"path: no *.safetensors files in the directory {path}")
             return cls(files, path)
         if not path.exists():
             raise ValueError(f"path: {path} does not exist")
+        if path.name.endswith(_INDEX_SUFFIX):
+            return cls._from_index(path)
         return cls([path], path.parent)
+
+    @classmethod
+    def _from_index(cls, index: Path) -> Checkpoint:
+        """The files an index's ``weight_map`` names (beside it), checked against their headers."""
+        path = index.parent
+        try:
+            with open(index, encoding="utf-8") as fh:
+                weight_map = json.load(fh).get("weight_map")
+        except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+            raise ValueError(f"path: {index} is not a safetensors index (JSON with a 'weight_map'): "
+                             f"{e}") from None
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"path: {index} has no 'weight_map'")
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (path / n).exists()]
+        if missing:
+            raise ValueError(f"path: {index} lists files that do not exist: {missing}")
+        ckpt = cls([path / n for n in names], path)
+        for key, name in weight_map.items():
+            info = ckpt.tensors.get(key)
+            if info is None or info.file.name != name:
+                raise ValueError(f"{key}: {index} places it in {name}, which does not hold it")
+        return ckpt
 
     # ---- queries -------------------------------------------------------------------------------
     def __contains__(self, key: str) -> bool:
@@ -230,11 +275,25 @@ class Checkpoint:
         whole = start is None and stop is None
         if not whole and not info.shape:
             raise ValueError(f"{key}: a 0-d tensor has no rows to slice")
+        self._check_size(info)          # a memory-mapped read past the end of a cut file would crash
         f = self._handle(info.file)
         if f is not None:
-            return f.get_tensor(key) if whole else f.get_slice(key)[start:stop]
+            try:
+                return f.get_tensor(key) if whole else f.get_slice(key)[start:stop]
+            except Exception as e:      # safetensors' own errors, named here
+                raise ValueError(f"{key}: reading it from {info.file} failed: {type(e).__name__}: "
+                                 f"{e}") from None
         a, b = slice(start, stop).indices(info.shape[0])[:2] if info.shape else (0, 1)
         return self._pread(info, a, b)
+
+    def _check_size(self, info: TensorInfo) -> None:
+        try:
+            size = info.file.stat().st_size
+        except OSError as e:
+            raise ValueError(f"{info.key}: {info.file} can no longer be read ({e})") from None
+        if size != self._sizes[info.file]:
+            raise ValueError(f"{info.key}: {info.file} is {size} bytes now, {self._sizes[info.file]} when the "
+                             f"checkpoint was opened (truncated file, or rewritten since?)")
 
     def _pread(self, info: TensorInfo, a: int, b: int) -> torch.Tensor:
         """Rows ``[a, b)`` by a positioned read (no memory map)."""
@@ -249,7 +308,8 @@ class Checkpoint:
                 fh.seek(begin + a * row_bytes)
                 got = fh.readinto((ctypes.c_char * n).from_address(out.data_ptr()))
             if got != n:
-                raise ValueError(f"{info.key}: {info.file} ended after {got} of {n} bytes (truncated file?)")
+                raise ValueError(f"{info.key}: {info.file} ended after {got} of the {n} bytes of rows "
+                                 f"[{a}, {b}) (truncated file?)")
         return out
 
     def read_rows(self, key: str, start: int, stop: int, *,

@@ -149,12 +149,30 @@ def _expect(ckpt: Checkpoint, prefix: str, key: str, shape: tuple, *, kind: str 
     return info
 
 
+def _missing_last_shards(ckpt: Checkpoint, prefix: str, keys: list[str], rows: int, D: int, split: int):
+    """Fail naming the first missing shard when the shards found hold too few rows and are the first
+    shards of a split into more parts: the config's ``split_ngram_parts``, or the fewest parts of their
+    size."""
+    found = [ckpt.info(prefix + k).shape for k in keys]
+    have = sum(shape[0] for shape in found if len(shape) == 2)
+    size = found[0][0] if found[0] else 0
+    if have >= rows or not size:
+        return
+    for parts in dict.fromkeys((split, -(-rows // size))):
+        if parts > len(keys) and [(b - a, D) for a, b in shard_rows(rows, parts)[:len(keys)]] == found:
+            _fail(prefix, SHARD.format(k=len(keys)),
+                  f"missing: shards 0..{len(keys) - 1} hold {have} of the table's {rows} rows, as the first "
+                  f"{len(keys)} of {parts} shards would (the config's split_ngram_parts is {split}); expected "
+                  f"shards {len(keys)}..{parts - 1} too (a file of the checkpoint left out?)")
+
+
 def plan_layer(ckpt: Checkpoint, config: PLEConfig, ple_layer_index: int, prefix: str, *,
                check_buffers: bool = True) -> LayerPlan:
     """Check one layer's keys, shapes and dtypes against ``config`` and return where its tensors are.
 
     Reads only the file headers and the three small int64 buffers. Any problem is a
-    ``ValueError`` naming the key. Missing buffers are allowed (the loader computes them
+    ``ValueError`` naming the key (a missing last shard too: the shards must hold the
+    config's table rows). Missing buffers are allowed (the loader computes them
     from the config) and listed as ``"missing"``; buffers that differ from
     ``hash_params(config, ple_layer_index)`` are an error unless ``check_buffers=False``
     (``inspect`` reports them instead).
@@ -201,6 +219,7 @@ def plan_layer(ckpt: Checkpoint, config: PLEConfig, ple_layer_index: int, prefix
             _fail(prefix, SHARD.format(k=gaps[0]), f"missing: shards 0..{parts - 1} were found except {gaps}")
         keys = [shards[k] for k in range(parts)]
         ranges = shard_rows(rows, parts)
+        _missing_last_shards(ckpt, prefix, keys, rows, D, config.split_ngram_parts)
     else:
         _fail(prefix, TABLE, f"missing from the checkpoint (expected the table [{rows}, {D}] whole, or as "
                              f"shards {SHARD.format(k='k')})")

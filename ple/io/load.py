@@ -1,9 +1,16 @@
-"""Loading PLE layers from safetensors checkpoints in the model's layout (see ``ple.io.layout``)."""
+"""Loading PLE layers, or rows of their tables, from safetensors checkpoints in the model's layout.
+
+`load_layer` (a whole layer) and `read_table_rows` (rows ``[start, end)`` of one
+layer's table, e.g. one rank's shard) share one path: `Checkpoint` reads the headers,
+`ple.io.layout.plan_layer` checks every key of the layer against the config, and
+`table_blocks` reads only the rows asked for, from only the shards that hold them.
+"""
 
 from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,8 +19,8 @@ import torch
 from .. import _checks
 from ..config import PLEConfig
 from ..layer import PLELayer
-from ..quant import QuantizedEmbedding
 from ..reference.hashing import hash_params
+from ..table import QuantizedTable
 from .files import Checkpoint, dtype_name
 from .layout import (
     BUFFERS,
@@ -31,7 +38,7 @@ from .layout import (
 )
 
 __all__ = ["LoadReport", "load_layer", "load_layers", "resolve_config", "select_prefix", "identify_index",
-           "read_table", "CONFIG_METADATA_KEY", "BLOCK_BYTES"]
+           "read_table", "read_table_rows", "table_blocks", "CONFIG_METADATA_KEY", "BLOCK_BYTES"]
 
 CONFIG_METADATA_KEY = "ple.config"
 """safetensors metadata key under which ``ple.io.save`` stores the config (JSON)."""
@@ -135,6 +142,53 @@ def _block_rows(row_bytes: int, block_bytes: int) -> int:
     return max(1, block_bytes // max(row_bytes, 1))
 
 
+def _open_layer(path, config, ple_layer_index: int, prefix: str | None) -> tuple[Checkpoint, LayerPlan]:
+    """The checkpoint at ``path`` and the checked plan of PLE layer ``ple_layer_index`` in it."""
+    ckpt = Checkpoint.open(path)
+    cfg = _require_config(ckpt, config)
+    _checks.int_arg("ple_layer_index", ple_layer_index, minimum=0)
+    if ple_layer_index >= cfg.num_ple_layers:
+        raise ValueError(f"ple_layer_index: the config has {cfg.num_ple_layers} PLE layer(s), got "
+                         f"{ple_layer_index}")
+    pfx = select_prefix(ckpt, cfg, ple_layer_index, prefix)
+    return ckpt, plan_layer(ckpt, cfg, ple_layer_index, pfx)
+
+
+def table_blocks(ckpt: Checkpoint, plan: LayerPlan, start: int, stop: int,
+                 block_rows: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
+    """Rows ``[start, stop)`` of the table of ``plan``, in row order and blocks of at most ``block_rows``:
+    ``(first row, values, per-row scales [n, 1] or None)``. Only the shards holding those rows are read,
+    and of them only those rows."""
+    for piece in plan.pieces:
+        a, b = max(start, piece.start), min(stop, piece.stop)
+        for lo in range(a, b, max(block_rows, 1)):
+            hi = min(lo + block_rows, b)
+            values = ckpt.read(piece.key, lo - piece.start, hi - piece.start)
+            scale = None
+            if piece.scale_key is not None:
+                scale = ckpt.read(piece.scale_key, lo - piece.start, hi - piece.start)
+            yield lo, values, scale
+
+
+def _read_rows(ckpt: Checkpoint, plan: LayerPlan, start: int, stop: int, *, dtype, device, pin,
+               block_bytes: int):
+    """Rows ``[start, stop)`` of the table into one preallocated tensor: ``(weight, scale or None)``."""
+    quant = plan.scheme is not None
+    tdtype = plan.table_dtype if quant or dtype is None else dtype
+    weight = torch.empty((stop - start, plan.dim), dtype=tdtype, device=device, pin_memory=pin)
+    scale = None
+    if quant and plan.scheme.per_row:
+        scale = torch.empty((stop - start, 1), dtype=torch.float32, device=device, pin_memory=pin)
+    elif quant:
+        scale = ckpt.read(plan.scale_key).reshape(1).to(device)
+    n = _block_rows(plan.dim * plan.table_dtype.itemsize, block_bytes)
+    for a, values, row_scale in table_blocks(ckpt, plan, start, stop, n):
+        weight[a - start: a - start + values.shape[0]].copy_(values)
+        if row_scale is not None:
+            scale[a - start: a - start + values.shape[0]].copy_(row_scale)
+    return weight, scale
+
+
 def read_table(ckpt: Checkpoint, plan: LayerPlan, *, dtype: torch.dtype | None = None, device=None,
                pin: bool = False, block_bytes: int = BLOCK_BYTES):
     """The table of ``plan`` read into one preallocated ``[rows, D]`` tensor: ``(weight, scale or None)``.
@@ -142,24 +196,44 @@ def read_table(ckpt: Checkpoint, plan: LayerPlan, *, dtype: torch.dtype | None =
     Shards are read block by block (at most ``block_bytes`` at a time) straight into
     the destination, which may be a GPU tensor or pinned host memory, so the table is
     never held twice. A float table is cast to ``dtype`` (default: its own); a quantized
-    one keeps its dtype and comes with its float32 scale(s).
+    one keeps its dtype and comes with its float32 scale(s). The rows
+    ``[0, rows)`` of `read_table_rows`.
     """
-    quant = plan.scheme is not None
-    tdtype = plan.table_dtype if quant or dtype is None else dtype
-    weight = torch.empty((plan.num_rows, plan.dim), dtype=tdtype, device=device, pin_memory=pin)
-    scale = None
-    if quant and plan.scheme.per_row:
-        scale = torch.empty((plan.num_rows, 1), dtype=torch.float32, device=device, pin_memory=pin)
-    elif quant:
-        scale = ckpt.read(plan.scale_key).reshape(1).to(device)
-    n = _block_rows(plan.dim * plan.table_dtype.itemsize, block_bytes)
-    for piece in plan.pieces:
-        for a, block in ckpt.read_rows(piece.key, 0, piece.stop - piece.start, block_rows=n):
-            weight[piece.start + a: piece.start + a + block.shape[0]].copy_(block)
-        if piece.scale_key is not None:
-            for a, block in ckpt.read_rows(piece.scale_key, 0, piece.stop - piece.start, block_rows=n):
-                scale[piece.start + a: piece.start + a + block.shape[0]].copy_(block)
-    return weight, scale
+    return _read_rows(ckpt, plan, 0, plan.num_rows, dtype=dtype, device=device, pin=pin,
+                      block_bytes=block_bytes)
+
+
+def read_table_rows(path, config=None, ple_layer_index: int = 0, *, start: int = 0, end: int | None = None,
+                    prefix: str | None = None, device=None, block_bytes: int = BLOCK_BYTES):
+    """Rows ``[start, end)`` of PLE layer ``ple_layer_index``'s table: ``(weight, weight_scale)``.
+
+    ``path``, ``config``, ``ple_layer_index`` and ``prefix`` are as for `load_layer`,
+    and so is the checking: every key of the layer (hash buffers, shapes, the shard
+    count and sizes, scales, the projections, norms and conv) is checked against the
+    config before any table row is read, and any problem is a ``ValueError`` naming
+    the key (or the missing shard, or the file). Hash buffers absent from the file and
+    unknown keys under the prefix are not errors (`load_layer` computes the one and
+    skips the other, with warnings). ``end`` defaults to the table's row count;
+    ``0 <= start <= end <= rows`` or a ``ValueError``.
+
+    Only the shards overlapping ``[start, end)`` are read, and of them only those rows,
+    block by block (at most ``block_bytes`` at a time) into one tensor on ``device``
+    (default: the CPU). ``weight`` is ``[end - start, D]`` in the checkpoint's dtype;
+    ``weight_scale`` is None for a float table, the rows' per-row float32 scales
+    ``[end - start, 1]`` for an int8 table, or the per-tensor float32 scale ``[1]`` for
+    an FP8 table.
+    """
+    for name, value in (("start", start), ("end", 0 if end is None else end)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"start, end: expected ints (end may be None), got {name} = {value!r}")
+    _checks.int_arg("block_bytes", block_bytes, minimum=1)
+    ckpt, plan = _open_layer(path, config, ple_layer_index, prefix)
+    end = plan.num_rows if end is None else end
+    if not 0 <= start <= end <= plan.num_rows:
+        raise ValueError(f"start, end: expected 0 <= start <= end <= {plan.num_rows} (the table's rows), "
+                         f"got {start}, {end}")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    return _read_rows(ckpt, plan, start, end, dtype=None, device=device, pin=False, block_bytes=block_bytes)
 
 
 def _state_dict(ckpt: Checkpoint, plan: LayerPlan, *, device, dtype, table_device, pin, block_bytes) -> dict:
@@ -201,15 +275,17 @@ def load_layer(path, config=None, ple_layer_index: int = 0, *, prefix: str | Non
     """Load PLE layer ``ple_layer_index`` from a safetensors checkpoint.
 
     ``path``: a ``.safetensors`` file, a directory of them (with or without
-    ``model.safetensors.index.json``), or a list of files. ``config``: a `PLEConfig`,
+    ``model.safetensors.index.json``), the index file itself, a list of files, or a
+    `Checkpoint`. ``config``: a `PLEConfig`,
     a dict, a ``config.json`` path or a preset name; default: the config saved in the
     checkpoint, else ``config.json`` beside it. ``prefix``: the layer's key prefix
     (default: found, see `select_prefix`; the model's is
     ``model.language_model.layers.{i}.ple.``).
 
     Every key is checked before anything large is read: a missing or mis-shaped tensor,
-    a table given both whole and sharded or with a missing shard, hash buffers that
-    differ from the config, or a truncated file raise ``ValueError`` naming the key.
+    a table given both whole and sharded or with a missing shard (the last one too),
+    hash buffers that differ from the config, or a truncated file raise ``ValueError``
+    naming the key (a file, by its path).
     Unknown keys under the prefix are skipped with a warning; hash buffers absent from
     the file are computed from the config, with a warning.
 
@@ -221,17 +297,11 @@ def load_layer(path, config=None, ple_layer_index: int = 0, *, prefix: str | Non
     the rest on ``device``. Returns the layer, or ``(layer, LoadReport)`` with
     ``return_report``.
     """
-    ckpt = Checkpoint.open(path)
-    cfg = _require_config(ckpt, config)
-    _checks.int_arg("ple_layer_index", ple_layer_index, minimum=0)
-    if ple_layer_index >= cfg.num_ple_layers:
-        raise ValueError(f"ple_layer_index: the config has {cfg.num_ple_layers} PLE layer(s), got "
-                         f"{ple_layer_index}")
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise TypeError(f"dtype: expected a torch float dtype, got {dtype!r}")
     _checks.int_arg("block_bytes", block_bytes, minimum=1)
-    pfx = select_prefix(ckpt, cfg, ple_layer_index, prefix)
-    plan = plan_layer(ckpt, cfg, ple_layer_index, pfx)
+    ckpt, plan = _open_layer(path, config, ple_layer_index, prefix)
+    cfg, pfx = plan.config, plan.prefix
     dtype = dtype or plan.model_dtype
     device = torch.device(device) if device is not None else torch.device("cpu")
     table_device = torch.device("cpu") if offload else device
@@ -250,10 +320,9 @@ def load_layer(path, config=None, ple_layer_index: int = 0, *, prefix: str | Non
 
     sd = _state_dict(ckpt, plan, device=device, dtype=dtype, table_device=table_device, pin=pin,
                      block_bytes=block_bytes)
-    layer = PLELayer(cfg, ple_layer_index, backend=backend, device="meta", dtype=dtype)
-    if plan.scheme is not None:
-        layer.ple_embedding.ngram_embedding = QuantizedEmbedding.empty(plan.num_rows, plan.dim, plan.scheme,
-                                                                       device="meta")
+    table = None if plan.scheme is None else QuantizedTable.empty(plan.num_rows, plan.dim, plan.scheme,
+                                                                   device="meta")
+    layer = PLELayer(cfg, ple_layer_index, backend=backend, device="meta", dtype=dtype, table=table)
     layer.load_state_dict(sd, strict=True, assign=True)
     return (layer, report) if return_report else layer
 

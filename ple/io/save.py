@@ -16,7 +16,7 @@ import torch
 
 from .. import _checks
 from ..config import PLEConfig
-from ..quant import SCHEMES, QuantizedEmbedding, Scheme, dequantize, fp8_scale, quantize, scheme_of
+from ..quant import SCHEMES, Scheme, dequantize, fp8_scale, quantize, scheme_of
 from .files import Checkpoint, Entry, dtype_name, write_file, write_files
 from .layout import (
     BUFFERS,
@@ -35,7 +35,7 @@ from .layout import (
     plan_layer,
     shard_rows,
 )
-from .load import BLOCK_BYTES, CONFIG_METADATA_KEY, identify_index, resolve_config
+from .load import BLOCK_BYTES, CONFIG_METADATA_KEY, identify_index, resolve_config, table_blocks
 
 __all__ = ["save", "convert", "parse_table_dtype", "TABLE_DTYPES"]
 
@@ -84,7 +84,7 @@ class _TableSource:
 class _MemoryTable(_TableSource):
     def __init__(self, module):
         self.weight = module.weight.detach()
-        self.scale = module.weight_scale.detach() if isinstance(module, QuantizedEmbedding) else None
+        self.scale = module.scale.detach() if module.scale is not None else None
         self.num_rows, self.dim = self.weight.shape
         self.dtype = self.weight.dtype
         self.global_scale = self.scale.cpu() if self.scale is not None and self.scale.dim() == 1 else None
@@ -106,15 +106,8 @@ class _CheckpointTable(_TableSource):
         self.global_scale = ckpt.read(plan.scale_key).reshape(1) if plan.scale_key else None
 
     def blocks(self, start, stop, block_rows):
-        for piece in self.plan.pieces:                       # rows [start, stop) may span shards
-            a, b = max(start, piece.start), min(stop, piece.stop)
-            for lo in range(a, b, block_rows):
-                hi = min(lo + block_rows, b)
-                values = self.ckpt.read(piece.key, lo - piece.start, hi - piece.start)
-                scale = self.global_scale
-                if piece.scale_key is not None:
-                    scale = self.ckpt.read(piece.scale_key, lo - piece.start, hi - piece.start)
-                yield values, scale
+        for _, values, scale in table_blocks(self.ckpt, self.plan, start, stop, block_rows):
+            yield values, self.global_scale if scale is None else scale
 
 
 def _amax(src: _TableSource, block_rows: int) -> torch.Tensor:

@@ -1,0 +1,256 @@
+"""The n-gram table of one PLE layer: one abstraction, every storage.
+
+A table is the module ``layer.ple_embedding.ngram_embedding`` (so its state-dict keys are
+the checkpoint's: ``weight``, plus ``weight_scale`` when quantized) and answers one
+question: ``table.rows(ids, dtype, ops=...)``, the concatenated rows ``[T, NH * D]`` of
+hash ids ``[T, NH]`` in ``dtype``, on ``ids``'s device.
+
+==========================  ===============================================================
+`DenseTable`                a float ``weight`` Parameter ``[rows, D]`` (trainable; optionally
+                            with sparse gradients)
+`QuantizedTable`            FP8 or int8 ``weight`` buffer and its float32 ``weight_scale``
+                            (``ple.quant``); no gradient
+``ple.distributed``'s       this rank's rows of a table split over a process group, summed
+`ShardedTable`              over the group (a collective)
+==========================  ===============================================================
+
+Dense and quantized tables may live in host memory while the layer runs on a GPU
+(`Table.offload_`): rows are then gathered on the host and only the ``T * NH`` rows
+looked up cross the bus. `Table.prefetch` starts that gather early (``ple.offload``);
+the next `rows` call with the same ids uses the fetched rows. The prefetch state lives
+in the table.
+
+Every path gives the bits of the in-memory lookup: a gather is a copy, and
+dequantization is one elementwise formula (``(q.float() * scale).to(dtype)``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+from .quant import SCHEMES, as_scheme, dequantize_rows, quantize, scheme_of
+
+__all__ = ["Table", "DenseTable", "QuantizedTable", "gather_raw", "is_float_table", "FLOAT_TABLE_DTYPES"]
+
+FLOAT_TABLE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def is_float_table(dtype: torch.dtype) -> bool:
+    """A trainable float table (float16/bfloat16/float32/float64); anything else (int8, FP8) is quantized."""
+    return dtype in FLOAT_TABLE_DTYPES
+
+
+def gather_raw(weight: torch.Tensor, weight_scale: torch.Tensor | None, ids: torch.Tensor, lookup):
+    """The stored rows of hash ids ``[T, NH]``: ``(rows [T, NH * D] in weight's dtype, row_scale)``.
+
+    ``lookup(table, ids)`` is an ``embedding_lookup``. A 1-byte float table (FP8) is
+    gathered as its raw bytes, so any gather kernel moves it bit for bit. ``row_scale``
+    is None (float table), the per-tensor ``[1]`` scale, or ``[T, NH]`` per-row scales
+    gathered by the same ``lookup``. `dequantize_rows` turns both into values.
+    """
+    if weight.dtype.is_floating_point and weight.element_size() == 1:
+        rows = lookup(weight.view(torch.uint8), ids).view(weight.dtype)
+    else:
+        rows = lookup(weight, ids)                                            # differentiable
+    if weight_scale is not None and weight_scale.dim() == 2:                  # per row: [rows, 1]
+        return rows, lookup(weight_scale, ids)                                 # [T, NH]
+    return rows, weight_scale
+
+
+class Table(nn.Module):
+    """Base of every table: ``rows``, host offload and prefetch (see the module docstring).
+
+    Subclasses set ``weight`` (and ``weight_scale`` when quantized) and may override
+    `rows`. ``prefetch_verify`` (default True): a prefetch is used only if its ids equal
+    the ids `rows` is asked for (one device sync on CUDA); False compares shapes only.
+    """
+
+    prefetch_verify: bool = True
+
+    def __init__(self):
+        super().__init__()
+        self._pending = None
+        self.sparse_grad = False
+
+    # ---- what it holds -----------------------------------------------------------------------
+    @property
+    def num_rows(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def dim(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def scale(self) -> torch.Tensor | None:
+        """``weight_scale`` of a quantized table, else None."""
+        return getattr(self, "weight_scale", None)
+
+    @property
+    def quantized(self) -> bool:
+        return self.scale is not None or not is_float_table(self.weight.dtype)
+
+    @property
+    def pending_prefetch(self):
+        """The prefetch `rows` will consume next (``ple.offload``), or None."""
+        return self._pending
+
+    # ---- lookups -----------------------------------------------------------------------------
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype, *, ops) -> torch.Tensor:
+        """Rows of hash ids ``[T, NH]`` as ``[T, NH * D]`` in ``dtype`` on ``ids``'s device.
+
+        ``ops`` is the backend's op module (its ``embedding_lookup`` gathers on the table's
+        device). A pending prefetch of the same ids is used instead of a new gather; a
+        table in host memory is gathered there and the rows copied over.
+        """
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            got = self._take(pending, ids)
+            if got is not None:
+                return dequantize_rows(*got, dtype) if self.quantized else got[0].to(dtype)
+        return self.lookup(ids, dtype, ops=ops)
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype, *, ops) -> torch.Tensor:
+        """`rows` without a prefetch: gathered now."""
+        if self.weight.device == ids.device:
+            if self.sparse_grad and self.weight.requires_grad and torch.is_grad_enabled():
+                from .reference.embedding import embedding_lookup_sparse_grad
+
+                return embedding_lookup_sparse_grad(self.weight, ids, ops.embedding_lookup).to(dtype)
+            rows, scale = gather_raw(self.weight, self.scale, ids, ops.embedding_lookup)
+        else:                                        # offloaded: gather on the host, copy the rows
+            from .reference.embedding import embedding_lookup
+
+            rows, scale = gather_raw(self.weight, self.scale, ids.to(self.weight.device), embedding_lookup)
+            rows = rows.to(ids.device, non_blocking=rows.is_pinned())
+            if scale is not None:
+                scale = scale.to(ids.device, non_blocking=scale.is_pinned())
+        return dequantize_rows(rows, scale, dtype) if self.quantized else rows.to(dtype)
+
+    def _take(self, pending, ids: torch.Tensor):
+        """``(rows, row_scale)`` of a pending prefetch if it may be used for ``ids``, else None (warns)."""
+        p_ids, rows, scale = pending.result()
+        if torch.is_grad_enabled() and self.weight.requires_grad:
+            warnings.warn("start_prefetch: the table needs a gradient here, so the prefetched rows (fetched "
+                          "without autograd) were not used; looked up again", stacklevel=4)
+            return None
+        same = p_ids.shape == ids.shape and p_ids.device == ids.device and (
+            not self.prefetch_verify or torch.equal(p_ids, ids.to(p_ids.dtype)))
+        if not same:
+            warnings.warn("start_prefetch: the prefetched ids do not match this call's ids (was "
+                          "start_prefetch called with this step's tokens?); looked up again", stacklevel=4)
+            return None
+        return rows, scale
+
+    # ---- placement -----------------------------------------------------------------------------
+    def offload_(self, *, pin: bool | None = None) -> Table:
+        """Keep the table in host memory (pinned if ``pin``, default: where CUDA exists). Returns self.
+
+        A per-row scale goes with the rows; a per-tensor scale stays where it is.
+        """
+        pin = torch.cuda.is_available() if pin is None else bool(pin)
+
+        def host(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach().to("cpu")
+            return t.pin_memory() if pin and not t.is_pinned() else t
+
+        if isinstance(self._parameters.get("weight"), nn.Parameter):
+            self.weight = nn.Parameter(host(self.weight), requires_grad=self.weight.requires_grad)
+        else:
+            self._buffers["weight"] = host(self.weight)
+        if self.scale is not None and self.scale.dim() == 2:
+            self._buffers["weight_scale"] = host(self.scale)
+        self._pending = None
+        return self
+
+    def prefetch(self, ids: torch.Tensor, device: torch.device) -> None:
+        """Start fetching the rows of hash ids ``[T, NH]`` (on the host or on ``device``) to ``device``.
+
+        The next `rows` call whose ids match uses them; a new call replaces an unused one.
+        """
+        from .offload import start_fetch
+
+        self._pending = start_fetch(self.weight, self.scale, ids, torch.device(device))
+
+    def _apply(self, fn, recurse=True):
+        # A quantized table's tensors are presented as integer views while `fn` runs, so device
+        # moves apply to them and dtype casts (which touch floating-point tensors only) do not.
+        if not self.quantized:
+            return super()._apply(fn, recurse)
+        held = [(d, k, d[k]) for d in (self._parameters, self._buffers) for k in ("weight", "weight_scale")
+                if d.get(k) is not None]
+        for d, k, t in held:
+            v = t.detach().view(torch.int32 if k == "weight_scale" else torch.uint8) \
+                if t.dtype.is_floating_point else t.detach()
+            d[k] = nn.Parameter(v, requires_grad=False) if d is self._parameters else v
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for d, k, t in held:
+                v = d[k].detach().view(t.dtype)
+                d[k] = nn.Parameter(v, requires_grad=False) if d is self._parameters else v
+        return self
+
+
+class DenseTable(Table):
+    """A float table: the Parameter ``weight`` ``[num_rows, dim]``, normal(0, 1) as the model's.
+
+    With ``sparse_grad`` its gradient is a sparse tensor of the rows looked up
+    (``ple.reference.embedding_lookup_sparse_grad``), for tables whose dense gradient
+    would not fit (the real model's: 320M x 160 in float32, about 205 GB).
+    """
+
+    def __init__(self, num_rows: int, dim: int, *, device=None, dtype=None, sparse_grad: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_rows, dim, device=device, dtype=dtype))
+        if self.weight.device.type != "meta":
+            nn.init.normal_(self.weight)
+        self.sparse_grad = bool(sparse_grad)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_rows}, {self.dim}, dtype={self.weight.dtype}, sparse_grad={self.sparse_grad}"
+
+
+class QuantizedTable(Table):
+    """A quantized ``[rows, D]`` table: buffers ``weight`` (fp8 or int8) and ``weight_scale`` (float32).
+
+    ``weight_scale`` is ``[1]`` for FP8 (per tensor) and ``[rows, 1]`` for int8 (per row),
+    see ``ple.quant``. No parameters (a quantized table is not trained). Moving it
+    (``.to(device)``) moves the buffers; a dtype cast (``layer.to(torch.bfloat16)``) leaves
+    both as they are, bit for bit.
+    """
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor):
+        super().__init__()
+        s = scheme_of(weight.dtype)
+        if s is None or weight.dim() != 2:
+            raise ValueError(f"weight: expected a 2-D {' or '.join(str(x.dtype) for x in SCHEMES.values())} "
+                             f"tensor, got {weight.dtype} {tuple(weight.shape)}")
+        want = (weight.shape[0], 1) if s.per_row else (1,)
+        if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != want:
+            raise ValueError(f"weight_scale: expected float32 {want} for a {s.name} table, got "
+                             f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
+        self.register_buffer("weight", weight)
+        self.register_buffer("weight_scale", weight_scale)
+
+    @classmethod
+    def from_float(cls, table: torch.Tensor, scheme) -> QuantizedTable:
+        return cls(*quantize(table, scheme))
+
+    @classmethod
+    def empty(cls, num_rows: int, dim: int, scheme, device=None) -> QuantizedTable:
+        """An uninitialised table (e.g. on the meta device, filled by ``load_state_dict(assign=True)``)."""
+        s = as_scheme(scheme)
+        scale_shape = (num_rows, 1) if s.per_row else (1,)
+        return cls(torch.empty(num_rows, dim, dtype=s.dtype, device=device),
+                   torch.ones(scale_shape, dtype=torch.float32, device=device))
+
+    @property
+    def scheme(self):
+        return scheme_of(self.weight.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_rows}, {self.dim}, scheme={self.scheme.name}"
