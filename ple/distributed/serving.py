@@ -28,7 +28,7 @@ import torch
 from .. import _checks
 from ..state.cache import PLECache, StepBatch
 from ..state.items import Decode, Spec
-from ..state.step import step_conv
+from ..state.step import check_same_config, step_conv
 from .exchange import halo_exchange
 from .partition import check_bounds, even_bounds, fragments, halo_plan
 from .sequence import EXCHANGES, _cumsum, _embed, local_ngram_ids, resolve_comm
@@ -61,9 +61,7 @@ def sp_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLECach
     if hidden_states.shape[0] != hi - lo:
         raise ValueError(f"hidden_states: rank {k} holds rows [{lo}, {hi}) of the step, expected {hi - lo} "
                          f"rows, got {hidden_states.shape[0]}")
-    C = hidden_states.shape[1]
-    if cache.config.hc_hidden_size != C or cache.config.conv_state_len != layer.config.conv_state_len:
-        raise ValueError("cache: built for a different config than the layer's")
+    check_same_config(layer.config, cache.config)
     _checks.tensor("hidden_states", hidden_states, device=cache.device)
 
     cfg = layer.config

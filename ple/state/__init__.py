@@ -8,7 +8,8 @@
 >>> cache.accept(a, 2)                                   # keep the first two
 """
 
-from .cache import LAYOUTS, PLECache, StepBatch
+from .batch import StepBatch
+from .cache import LAYOUTS, PLECache
 from .items import Decode, Prefill, Spec
 
 __all__ = ["PLECache", "StepBatch", "Prefill", "Decode", "Spec", "LAYOUTS"]

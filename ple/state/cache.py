@@ -22,7 +22,6 @@ decode has that window moved to columns ``[0, S)`` at the start of its next step
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 
@@ -30,7 +29,9 @@ import torch
 
 from .. import _checks
 from ..config import PLEConfig
+from .batch import StepBatch
 from .items import Decode, Prefill, Spec, as_token_list
+from .persist import load_cache, save_cache
 
 __all__ = ["PLECache", "StepBatch", "LAYOUTS"]
 
@@ -52,50 +53,6 @@ class _Slot:
     realigned: list = field(default_factory=list)  # PLE layers whose window was already moved to [0, S)
 
 
-@dataclass
-class StepBatch:
-    """Everything one step needs, built by `PLECache.schedule`. Rows are in the caller's order.
-
-    Index tensors live on the cache's device (int32, as serving engines keep them);
-    ``*_host`` fields are the same values as Python lists, for the bookkeeping.
-    """
-
-    num_tokens: int
-    input_ids: torch.Tensor              # [T] int64, the step's tokens in row order
-    query_start_loc: torch.Tensor        # [R+1], every item in caller order (for hashing)
-    ngram_context: torch.Tensor          # [R, N-1] int64, each item's context
-    # spec rows
-    num_spec_decodes: int
-    num_spec_tokens: int
-    spec_token_indices: torch.Tensor     # [T_spec] physical rows of the spec items, item by item
-    spec_query_start_loc: torch.Tensor   # [R_spec+1]
-    spec_state_indices: torch.Tensor     # [R_spec]
-    num_accepted_tokens: torch.Tensor    # [R_spec]
-    spec_query_len: int                  # the most rows a spec item may have: num_spec_tokens + 1
-    # non-spec rows: decodes first, then prefills
-    num_decodes: int
-    num_decode_tokens: int
-    num_prefills: int
-    num_prefill_tokens: int
-    non_spec_token_indices: torch.Tensor  # [T_d + T_p]
-    state_indices: torch.Tensor          # [R_d + R_p]
-    has_initial_states_d: torch.Tensor   # [R_d] bool
-    has_initial_states_p: torch.Tensor   # [R_p] bool
-    query_start_loc_p: torch.Tensor      # [R_p+1], over the prefill rows
-    non_spec_query_start_loc: torch.Tensor  # [R_d + R_p + 1]
-    # prefix-cache checkpoints of the prefills (offset 0 = none)
-    checkpoint_offsets: torch.Tensor     # [R_p]
-    checkpoint_slots: torch.Tensor       # [R_p]
-    has_checkpoints: bool
-    # non-spec requests whose window must move to columns [0, S) first: (slot, column offset)
-    realign: list
-    # host copies for the bookkeeping
-    items: list
-    tokens_host: list
-    version: int
-    layers_done: set = field(default_factory=set)
-
-
 class PLECache:
     """Conv states of every PLE layer and the n-gram context of every slot.
 
@@ -113,11 +70,14 @@ class PLECache:
         _checks.int_arg("num_slots", num_slots, minimum=2)
         _checks.int_arg("num_spec_tokens", num_spec_tokens, minimum=0)
         _checks.int_arg("num_layers", num_layers, minimum=1)
+        if num_layers > config.num_ple_layers:
+            raise ValueError(f"num_layers: the config has {config.num_ple_layers} PLE layer(s) "
+                             f"(ple_layer_ids={list(config.ple_layer_ids)}), got {num_layers}")
         if layout not in LAYOUTS:
             raise ValueError(f"layout: expected one of {LAYOUTS}, got {layout!r}")
         dtype = dtype or torch.get_default_dtype()
-        if not dtype.is_floating_point:
-            raise TypeError(f"dtype: expected a floating-point dtype, got {dtype}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype: expected a torch floating-point dtype (e.g. torch.bfloat16), got {dtype!r}")
         self.config = config
         self.num_slots = num_slots
         self.num_spec_tokens = num_spec_tokens
@@ -131,7 +91,10 @@ class PLECache:
             (num_layers, num_slots, self.width, C)
         self.conv_states = torch.zeros(shape, dtype=dtype, device=device)
         self._slots = [_Slot() for _ in range(num_slots)]
-        self._version = 0
+        self._identity = object()            # a batch belongs to the cache that scheduled it
+        self._version = 0                    # bumped by every change a batch depends on
+        self._generations = [0] * num_slots  # per slot: bumped by allocate, free, accept, fork
+        self._last_change = "nothing"
         self._in_flight: StepBatch | None = None
 
     # ---- views ---------------------------------------------------------------------------------
@@ -181,6 +144,7 @@ class PLECache:
             if not self._slots[i].active:
                 self._reset(i)
                 self._slots[i].active = True
+                self._changed(i, f"slot {i} was allocated")
                 return i
         raise RuntimeError(f"PLECache is full: all {self.num_slots - 1} slots are in use "
                            f"(slot 0 is the null slot)")
@@ -190,6 +154,7 @@ class PLECache:
         self._not_in_flight("free")
         self._live(slot, "slot")
         self._reset(slot)
+        self._changed(slot, f"slot {slot} was freed")
 
     def fork(self, slot: int) -> int:
         """A new slot holding a copy of ``slot``'s request (state of every layer, context, bookkeeping).
@@ -206,6 +171,7 @@ class PLECache:
         dst.spec_tokens = None if src.spec_tokens is None else list(src.spec_tokens)
         dst.spec_context = None if src.spec_context is None else list(src.spec_context)
         dst.realigned = list(src.realigned)
+        self._changed(new, f"slot {slot} was forked into slot {new}")
         return new
 
     def accept(self, slot: int, n: int) -> None:
@@ -221,6 +187,14 @@ class PLECache:
         s.length += n - s.num_accepted
         s.num_accepted = n
         s.context = self._roll(s.spec_context, s.spec_tokens[:n])
+        self._changed(slot, f"slot {slot} accepted {n} token(s)")
+
+    def _changed(self, slot: int | None, what: str) -> None:
+        """Record a change that makes every batch scheduled before it stale (SPEC section 7)."""
+        self._version += 1
+        if slot is not None:
+            self._generations[slot] += 1
+        self._last_change = what
 
     def _reset(self, slot: int) -> None:
         self.conv_states[:, slot].zero_()
@@ -365,6 +339,8 @@ class PLECache:
             items=[item for item, _ in parsed],
             tokens_host=[t for _, t in parsed],
             version=self._version,
+            owner=self._identity,
+            slot_generations={item.slot: self._generations[item.slot] for item, _ in parsed},
         )
 
     # ---- called by PLELayer.step ---------------------------------------------------------------
@@ -372,8 +348,14 @@ class PLECache:
         """Check that ``batch`` is current and PLE layer ``layer`` has not run it yet."""
         if not isinstance(batch, StepBatch):
             raise TypeError(f"batch: expected a StepBatch from cache.schedule, got {type(batch).__name__}")
+        if batch.owner is not self._identity:
+            raise ValueError("batch: it was scheduled by another PLECache; a batch runs only on the cache "
+                             "that scheduled it")
         if batch.version != self._version:
-            raise ValueError("batch: stale; it was scheduled before the cache's last step completed")
+            moved = [s for s, g in batch.slot_generations.items() if self._generations[s] != g]
+            why = (f"slot(s) {moved} of the batch changed (allocated, freed, accepted or forked)" if moved
+                   else f"the cache changed: {self._last_change}")
+            raise ValueError(f"batch: stale; since it was scheduled {why}; schedule the step again")
         if layer >= self.num_layers:
             raise ValueError(f"cache: holds {self.num_layers} PLE layer(s) but the layer has PLE index {layer}")
         if layer in batch.layers_done:
@@ -403,7 +385,7 @@ class PLECache:
         if layer != self.num_layers - 1:
             return
         self._in_flight = None
-        self._version += 1
+        self._changed(None, "another batch's step completed")
         for item, tokens in zip(batch.items, batch.tokens_host):
             s = self._slots[item.slot]
             if isinstance(item, Spec):
@@ -428,34 +410,14 @@ class PLECache:
     # ---- save / load ---------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
         """Write the whole cache (states, contexts, slot table) to a safetensors file, bit-exact."""
-        from safetensors.torch import save_file
-
         self._not_in_flight("save")
-        table = [dict(active=s.active, started=s.started, length=s.length, context=s.context,
-                      num_accepted=s.num_accepted, spec_tokens=s.spec_tokens, spec_context=s.spec_context,
-                      realigned=s.realigned) for s in self._slots]
-        meta = dict(config=self.config.to_dict(), num_slots=self.num_slots, num_spec_tokens=self.num_spec_tokens,
-                    num_layers=self.num_layers, layout=self.layout, slots=table, format="ple.PLECache/1")
-        save_file({"conv_states": self.conv_states.contiguous().cpu(), "contexts": self.contexts},
-                  str(path), metadata={"ple": json.dumps(meta)})
+        save_cache(self, path)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, device=None) -> PLECache:
-        """Read a cache written by `save`; the same states (bit for bit), contexts and slot table."""
-        from safetensors import safe_open
+        """Read a cache written by `save`; the same states (bit for bit), contexts and slot table.
 
-        with safe_open(str(path), framework="pt") as f:
-            raw = (f.metadata() or {}).get("ple")
-            if raw is None:
-                raise ValueError(f"path: {path} is not a PLECache file (no 'ple' metadata)")
-            meta = json.loads(raw)
-            states = f.get_tensor("conv_states")
-        config = PLEConfig.from_dict(meta["config"])
-        cache = cls(config, meta["num_slots"], num_spec_tokens=meta["num_spec_tokens"],
-                    num_layers=meta["num_layers"], dtype=states.dtype, device=device, layout=meta["layout"])
-        if tuple(states.shape) != tuple(cache.conv_states.shape):
-            raise ValueError(f"path: conv_states has shape {tuple(states.shape)}, expected "
-                             f"{tuple(cache.conv_states.shape)}")
-        cache.conv_states.copy_(states)
-        cache._slots = [_Slot(**s) for s in meta["slots"]]
-        return cache
+        Every part of the file is checked first: a damaged, truncated, empty or edited file
+        is a ``ValueError`` naming ``path`` and what is wrong (``ple.state.persist``).
+        """
+        return load_cache(cls, path, device=device)

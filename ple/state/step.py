@@ -7,7 +7,20 @@ import torch
 from .. import _checks
 from .cache import PLECache, StepBatch
 
-__all__ = ["layer_step", "step_conv"]
+__all__ = ["layer_step", "step_conv", "check_same_config", "STEP_FIELDS"]
+
+
+STEP_FIELDS = ("vocab_size", "hidden_size", "hc_count", "eos_token_id", "ngram_size", "ple_conv_kernel_size",
+               "ple_layer_ids")
+"""The config fields a step's cache depends on: token range, widths, the EOS rule, contexts and states."""
+
+
+def check_same_config(layer_config, cache_config) -> None:
+    """``ValueError`` naming ``layer`` if its config differs from the cache's in a field the step uses."""
+    diff = [f"{f} ({getattr(layer_config, f)!r} vs the cache's {getattr(cache_config, f)!r})"
+            for f in STEP_FIELDS if getattr(layer_config, f) != getattr(cache_config, f)]
+    if diff:
+        raise ValueError(f"layer: its config differs from the cache's in {', '.join(diff)}")
 
 
 @torch.no_grad()
@@ -27,8 +40,7 @@ def layer_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLEC
     T, C = hidden_states.shape  # tokens of the step, channels (hc_count * hidden_size)
     if T != batch.num_tokens:
         raise ValueError(f"hidden_states: expected {batch.num_tokens} rows (the batch's tokens), got {T}")
-    if cache.config.hc_hidden_size != C or cache.config.conv_state_len != layer.config.conv_state_len:
-        raise ValueError("cache: built for a different config than the layer's")
+    check_same_config(layer.config, cache.config)
     _checks.tensor("hidden_states", hidden_states, device=cache.device)
 
     ops = layer.ops
