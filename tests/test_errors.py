@@ -1,7 +1,9 @@
 """Every documented error (SPEC section 9): the right exception, naming the argument, nothing modified.
 
 Bad calls are tables of one change each to a valid call; the valid call itself is
-run first so that each failure comes from the change alone.
+run first so that each failure comes from the change alone. Every case runs on both
+backends (``ops`` is ``ple.reference`` or ``ple.fast``, the latter with Triton, under the
+interpreter without a GPU).
 """
 
 from __future__ import annotations
@@ -9,17 +11,27 @@ from __future__ import annotations
 import pytest
 import torch
 
+import ple.reference
 from ple import PLEConfig, PLELayer
-from ple.reference import (
-    dilated_causal_conv,
-    embedding_lookup,
-    export_conv_checkpoints,
-    hash_params,
-    ngram_ids,
-    ple_conv,
-    ple_gate,
-)
+from ple.reference import hash_params
 from ple.testing.numerics import assert_bitwise_equal
+
+BACKENDS = [pytest.param("reference", id="reference"),
+            pytest.param("triton", id="fast", marks=pytest.mark.interpreter)]
+
+
+@pytest.fixture(params=BACKENDS)
+def ops(request):
+    """The op module of a backend: ``ple.reference`` or ``ple.fast``."""
+    if request.param == "triton":
+        from ple import fast
+
+        return fast
+    return ple.reference
+
+
+def backend_name(ops) -> str:
+    return "reference" if ops is ple.reference else "triton"
 
 C, K, D = 5, 3, 2  # channels, taps, dilation
 S = (K - 1) * D  # 4
@@ -322,6 +334,54 @@ CONV_CASES = [
     ),
 ]
 
+# SPEC section 9: index tensors are int32 / int64 only; flags bool or integer 0 / 1; one device; values
+# of index tensors are needed, so never on the meta device.
+NOT_INDEX_DTYPES = [torch.uint8, torch.bool, torch.int8, torch.int16, torch.float32, torch.complex64]
+if hasattr(torch, "uint16"):
+    NOT_INDEX_DTYPES.append(torch.uint16)
+
+
+def as_dtype(name, dtype):
+    return lambda a: a.update({name: a[name].to(dtype)})
+
+
+def all_meta(a):
+    for k, v in list(a.items()):
+        if isinstance(v, torch.Tensor):
+            a[k] = v.to(META)
+
+
+CONV_CASES += [
+    (f"{name}-{str(dt).split('.')[-1]}", mode, as_dtype(name, dt), TypeError, name)
+    for dt in NOT_INDEX_DTYPES
+    for name, mode in (("state_indices", "prefill"), ("query_start_loc", "spec"), ("token_indices", "decode"),
+                       ("num_accepted_tokens", "spec"))
+] + [
+    ("has-initial-two", "prefill", put(has_initial_states=torch.tensor([2, 0])), ValueError, "has_initial_states"),
+    ("has-initial-negative", "decode", put(has_initial_states=torch.tensor([1, -1], dtype=torch.int8)), ValueError,
+     "has_initial_states"),
+    ("has-initial-complex", "prefill", put(has_initial_states=torch.tensor([1, 0], dtype=torch.complex64)),
+     TypeError, "has_initial_states"),
+    ("has-initial-half", "decode", put(has_initial_states=torch.tensor([1, 0], dtype=torch.float16)), TypeError,
+     "has_initial_states"),
+    ("inputs-meta-among-real", "prefill", lambda a: a.update(inputs=a["inputs"].to(META)), ValueError, "residual"),
+    ("weights-meta-among-real", "decode", lambda a: a.update(conv_weights=a["conv_weights"].to(META)), ValueError,
+     "conv_weights"),
+    ("outer-meta-among-real", "spec", lambda a: a.update(outer_residual=a["outer_residual"].to(META)), ValueError,
+     "outer_residual"),
+    ("slots-meta-among-real", "prefill", lambda a: a.update(state_indices=a["state_indices"].to(META)), ValueError,
+     "state_indices"),
+    ("qsl-meta-among-real", "spec", lambda a: a.update(query_start_loc=a["query_start_loc"].to(META)), ValueError,
+     "query_start_loc"),
+    ("accepted-meta-among-real", "spec", lambda a: a.update(num_accepted_tokens=a["num_accepted_tokens"].to(META)),
+     ValueError, "num_accepted_tokens"),
+    ("has-initial-meta-among-real", "decode", lambda a: a.update(has_initial_states=a["has_initial_states"].to(META)),
+     ValueError, "has_initial_states"),
+    ("all-meta-prefill", "prefill", all_meta, ValueError, "state_indices"),
+    ("all-meta-decode", "decode", all_meta, ValueError, "state_indices"),
+]
+
+
 
 def snapshot(args: dict) -> dict:
     """Copies of every tensor argument and of the base of the conv state."""
@@ -338,9 +398,9 @@ def assert_unchanged(args: dict, before: dict) -> None:
         assert_bitwise_equal(now, v, name=k)
 
 
-def call_conv(args: dict) -> None:
+def call_conv(args: dict, ops=ple.reference) -> None:
     a = dict(args)
-    ple_conv(
+    ops.ple_conv(
         a.pop("inputs"),
         a.pop("residual"),
         a.pop("conv_state"),
@@ -351,21 +411,21 @@ def call_conv(args: dict) -> None:
 
 
 @pytest.mark.parametrize("mode", ["prefill", "decode", "spec"])
-def test_base_conv_calls_are_valid_and_write(mode):
+def test_base_conv_calls_are_valid_and_write(mode, ops):
     args = conv_args(mode)
     before = snapshot(args)
-    call_conv(args)
+    call_conv(args, ops)
     assert not torch.equal(args["residual"], before["residual"])
     assert not torch.equal(args["conv_state"]._base, before["conv_state._base"])
 
 
 @pytest.mark.parametrize("case, mode, change, exc, arg", CONV_CASES, ids=[c[0] for c in CONV_CASES])
-def test_bad_ple_conv_call_raises_and_changes_nothing(case, mode, change, exc, arg):
+def test_bad_ple_conv_call_raises_and_changes_nothing(case, mode, change, exc, arg, ops):
     args = conv_args(mode)
     change(args)
     before = snapshot(args)
     with pytest.raises(exc, match=rf"^{arg}\b"):
-        call_conv(args)
+        call_conv(args, ops)
     assert_unchanged(args, before)
 
 
@@ -433,38 +493,51 @@ CHECKPOINT_CASES = [
     ),
 ]
 
+CHECKPOINT_CASES += [
+    (f"{name}-{str(dt).split('.')[-1]}", as_dtype(name, dt), TypeError, name)
+    for dt in NOT_INDEX_DTYPES
+    for name in ("query_start_loc", "offsets", "slots", "token_indices")
+] + [
+    ("inputs-meta-among-real", lambda a: a.update(inputs=a["inputs"].to(META)), ValueError, "conv_state"),
+    ("qsl-meta-among-real", lambda a: a.update(query_start_loc=a["query_start_loc"].to(META)), ValueError,
+     "query_start_loc"),
+    ("slots-meta-among-real", lambda a: a.update(slots=a["slots"].to(META)), ValueError, "slots"),
+    ("all-meta", all_meta, ValueError, "token_indices"),
+]
 
-def call_export(args: dict) -> None:
+
+
+def call_export(args: dict, ops=ple.reference) -> None:
     a = dict(args)
-    export_conv_checkpoints(a.pop("inputs"), a.pop("conv_state"), **a)
+    ops.export_conv_checkpoints(a.pop("inputs"), a.pop("conv_state"), **a)
 
 
-def test_base_checkpoint_call_is_valid_and_writes():
+def test_base_checkpoint_call_is_valid_and_writes(ops):
     args = checkpoint_args()
     before = snapshot(args)
-    call_export(args)
+    call_export(args, ops)
     assert not torch.equal(args["conv_state"]._base, before["conv_state._base"])
 
 
 @pytest.mark.parametrize("case, change, exc, arg", CHECKPOINT_CASES, ids=[c[0] for c in CHECKPOINT_CASES])
-def test_bad_checkpoint_export_raises_and_changes_nothing(case, change, exc, arg):
+def test_bad_checkpoint_export_raises_and_changes_nothing(case, change, exc, arg, ops):
     args = checkpoint_args()
     change(args)
     before = snapshot(args)
     with pytest.raises(exc, match=rf"^{arg}\b"):
-        call_export(args)
+        call_export(args, ops)
     assert_unchanged(args, before)
 
 
-def test_checkpoint_duplicates_and_null_slot_without_offsets_are_fine():
+def test_checkpoint_duplicates_and_null_slot_without_offsets_are_fine(ops):
     # A repeated slot only matters where a checkpoint is written; the null slot is never written.
     args = checkpoint_args()
     args.update(offsets=torch.tensor([0, 4]), slots=torch.tensor([3, 3]))
-    call_export(args)
+    call_export(args, ops)
     args = checkpoint_args()
     args.update(slots=torch.tensor([0, 0]))
     before = snapshot(args)
-    call_export(args)
+    call_export(args, ops)
     assert_unchanged(args, before)
 
 
@@ -479,7 +552,7 @@ def ngram(**changes):
         input_ids=IDS, params=PARAMS, heads_per_ngram=TINY.heads_per_ngram, eos_token_id=TINY.eos_token_id
     )
     kw.update(changes)
-    return lambda: ngram_ids(kw.pop("input_ids"), kw.pop("params"), **kw)
+    return lambda ops: ops.ngram_ids(**kw)
 
 
 def gate(**changes):
@@ -494,24 +567,24 @@ def gate(**changes):
         eps=1e-6,
     )
     kw.update(changes)
-    return lambda: ple_gate(**kw)
+    return lambda ops: ops.ple_gate(**kw)
 
 
 def dense_conv(**changes):
     kw = dict(x=torch.randn(2, 5, 3), weight=torch.randn(3, 2), dilation=2)
     kw.update(changes)
-    return lambda: dilated_causal_conv(kw.pop("x"), kw.pop("weight"), **kw)
+    return lambda ops: ops.dilated_causal_conv(kw["x"], kw["weight"], **{k: v for k, v in kw.items()
+                                                                          if k not in ("x", "weight")})
 
 
 def layer_call(**changes):
-    layer = PLELayer(TINY)
     kw = dict(
         hidden_states=torch.randn(2, 4, TINY.hc_hidden_size),
         input_ids=torch.randint(0, 1000, (2, 4)),
         attention_mask=torch.ones(2, 4, dtype=torch.bool),
     )
     kw.update(changes)
-    return lambda: layer(**kw)
+    return lambda ops: PLELayer(TINY, backend=backend_name(ops))(**kw)
 
 
 OTHER_CASES = [
@@ -547,24 +620,24 @@ OTHER_CASES = [
     ),
     ("ngram-context-float", ngram(ngram_context=torch.zeros(1, 2)), TypeError, "ngram_context"),
     ("ngram-context-past-vocab", ngram(ngram_context=torch.tensor([[0, 1000]])), ValueError, "ngram_context"),
-    ("hash-params-config", lambda: hash_params(TINY.to_dict(), 0), TypeError, "config"),
-    ("hash-params-index", lambda: hash_params(TINY, -1), ValueError, "ple_layer_index"),
-    ("hash-params-index-bool", lambda: hash_params(TINY, True), TypeError, "ple_layer_index"),
+    ("hash-params-config", lambda ops: ops.hash_params(TINY.to_dict(), 0), TypeError, "config"),
+    ("hash-params-index", lambda ops: ops.hash_params(TINY, -1), ValueError, "ple_layer_index"),
+    ("hash-params-index-bool", lambda ops: ops.hash_params(TINY, True), TypeError, "ple_layer_index"),
     (
         "lookup-row-past-table",
-        lambda: embedding_lookup(torch.zeros(10, 2), torch.tensor([[0, 10]])),
+        lambda ops: ops.embedding_lookup(torch.zeros(10, 2), torch.tensor([[0, 10]])),
         ValueError,
         "ids",
     ),
     (
         "lookup-row-negative",
-        lambda: embedding_lookup(torch.zeros(10, 2), torch.tensor([[-1, 0]])),
+        lambda ops: ops.embedding_lookup(torch.zeros(10, 2), torch.tensor([[-1, 0]])),
         ValueError,
         "ids",
     ),
     (
         "lookup-ids-float",
-        lambda: embedding_lookup(torch.zeros(10, 2), torch.tensor([[1.0, 0.0]])),
+        lambda ops: ops.embedding_lookup(torch.zeros(10, 2), torch.tensor([[1.0, 0.0]])),
         TypeError,
         "ids",
     ),
@@ -604,10 +677,10 @@ OTHER_CASES = [
         TypeError,
         "cu_seqlens",
     ),
-    ("layer-config", lambda: PLELayer(TINY.to_dict()), TypeError, "config"),
-    ("layer-index", lambda: PLELayer(TINY, TINY.num_ple_layers), ValueError, "ple_layer_index"),
-    ("layer-index-negative", lambda: PLELayer(TINY, -1), ValueError, "ple_layer_index"),
-    ("layer-backend", lambda: PLELayer(TINY, backend="cuda"), ValueError, "backend"),
+    ("layer-config", lambda ops: PLELayer(TINY.to_dict()), TypeError, "config"),
+    ("layer-index", lambda ops: PLELayer(TINY, TINY.num_ple_layers), ValueError, "ple_layer_index"),
+    ("layer-index-negative", lambda ops: PLELayer(TINY, -1), ValueError, "ple_layer_index"),
+    ("layer-backend", lambda ops: PLELayer(TINY, backend="cuda"), ValueError, "backend"),
     (
         "layer-hidden-dtype",
         layer_call(hidden_states=torch.zeros(2, 4, TINY.hc_hidden_size, dtype=torch.float64)),
@@ -624,8 +697,6 @@ OTHER_CASES = [
     ("layer-ids-shape", layer_call(input_ids=torch.zeros(2, 5, dtype=I64)), ValueError, "input_ids"),
     ("layer-ids-float", layer_call(input_ids=torch.zeros(2, 4)), TypeError, "input_ids"),
     ("layer-ids-past-vocab", layer_call(input_ids=torch.full((2, 4), 1000)), ValueError, "input_ids"),
-    ("layer-mask-complex", layer_call(attention_mask=torch.ones(2, 4, dtype=torch.complex64)), TypeError,
-     "attention_mask"),
     (
         "layer-mask-shape",
         layer_call(attention_mask=torch.ones(2, 3, dtype=torch.bool)),
@@ -634,17 +705,105 @@ OTHER_CASES = [
     ),
 ]
 
+OTHER_CASES += [
+    (f"ngram-{name}-{str(dt).split('.')[-1]}", ngram(**{name: t.to(dt)}), TypeError, name)
+    for dt in NOT_INDEX_DTYPES
+    for name, t in (("input_ids", IDS), ("query_start_loc", torch.tensor([0, 4])),
+                    ("ngram_context", torch.zeros(1, 2, dtype=I64)))
+] + [
+    (f"lookup-ids-{str(dt).split('.')[-1]}",
+     lambda ops, dt=dt: ops.embedding_lookup(torch.zeros(10, 2), torch.tensor([[1, 0]]).to(dt)), TypeError, "ids")
+    for dt in NOT_INDEX_DTYPES
+] + [
+    (f"conv-cu-seqlens-{str(dt).split('.')[-1]}",
+     dense_conv(x=torch.zeros(5, 3), cu_seqlens=torch.tensor([0, 2, 5]).to(dt)), TypeError, "cu_seqlens")
+    for dt in NOT_INDEX_DTYPES
+] + [
+    ("ngram-input-meta", ngram(input_ids=IDS.to(META)), ValueError, "input_ids"),
+    ("ngram-qsl-meta-among-real", ngram(query_start_loc=torch.tensor([0, 4], device=META)), ValueError,
+     "query_start_loc"),
+    ("ngram-context-meta-among-real", ngram(ngram_context=torch.zeros(1, 2, dtype=I64, device=META)), ValueError,
+     "ngram_context"),
+    ("lookup-ids-meta-among-real",
+     lambda ops: ops.embedding_lookup(torch.zeros(10, 2), torch.tensor([[1, 0]], device=META)), ValueError, "ids"),
+    ("lookup-weight-meta-among-real",
+     lambda ops: ops.embedding_lookup(torch.zeros(10, 2, device=META), torch.tensor([[1, 0]])), ValueError, "ids"),
+    ("lookup-all-meta",
+     lambda ops: ops.embedding_lookup(torch.zeros(10, 2, device=META), torch.tensor([[1, 0]], device=META)),
+     ValueError, "ids"),
+    ("gate-key-meta-among-real", gate(key=torch.zeros(3, 6, device=META)), ValueError, "value"),
+    ("gate-norm-meta-among-real", gate(norm_conv_weight=torch.zeros(6, device=META)), ValueError,
+     "norm_conv_weight"),
+    ("conv-x-meta-among-real", dense_conv(x=torch.zeros(2, 5, 3, device=META)), ValueError, "weight"),
+    ("conv-cu-seqlens-meta-among-real", dense_conv(x=torch.zeros(5, 3), cu_seqlens=torch.tensor([0, 5], device=META)),
+     ValueError, "cu_seqlens"),
+    ("conv-cu-seqlens-all-meta", dense_conv(x=torch.zeros(5, 3, device=META), weight=torch.zeros(3, 2, device=META),
+                                            cu_seqlens=torch.tensor([0, 5], device=META)), ValueError, "cu_seqlens"),
+    ("layer-mask-complex", layer_call(attention_mask=torch.ones(2, 4, dtype=torch.complex64)), TypeError,
+     "attention_mask"),
+]
+
+
 
 @pytest.mark.parametrize("case, call, exc, arg", OTHER_CASES, ids=[c[0] for c in OTHER_CASES])
-def test_bad_call_raises_naming_the_argument(case, call, exc, arg):
+def test_bad_call_raises_naming_the_argument(case, call, exc, arg, ops):
     with pytest.raises(exc, match=rf"^{arg}\b"):
-        call()
+        call(ops)
 
 
-def test_base_calls_of_the_other_ops_are_valid():
-    ngram()()
-    ngram(query_start_loc=torch.tensor([0, 1, 4]), ngram_context=torch.zeros(2, 2, dtype=I64))()
-    gate()()
-    dense_conv()()
-    dense_conv(x=torch.zeros(5, 3), cu_seqlens=torch.tensor([0, 2, 5]))()
-    layer_call()()
+def test_base_calls_of_the_other_ops_are_valid(ops):
+    ngram()(ops)
+    ngram(query_start_loc=torch.tensor([0, 1, 4]), ngram_context=torch.zeros(2, 2, dtype=I64))(ops)
+    gate()(ops)
+    dense_conv()(ops)
+    dense_conv(x=torch.zeros(5, 3), cu_seqlens=torch.tensor([0, 2, 5]))(ops)
+    layer_call()(ops)
+
+
+def test_flags_may_be_bool_or_any_integer_dtype(ops):
+    for dt in (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64):
+        args = conv_args("prefill")
+        args["has_initial_states"] = torch.tensor([1, 0]).to(dt)
+        want = conv_args("prefill")
+        call_conv(args, ops)
+        call_conv(want, ops)
+        assert_bitwise_equal(args["residual"], want["residual"], name=f"residual with {dt} flags")
+        assert_bitwise_equal(args["conv_state"], want["conv_state"], name=f"state with {dt} flags")
+
+
+def test_ops_on_meta_tensors_that_need_no_values_give_shapes(ops):
+    # The gate and the dense conv read no index values: on meta tensors they give meta results.
+    gated, conv_input = gate(**{k: torch.zeros(s, device=META) for k, s in (
+        ("key", (3, 6)), ("value", (3, 2)), ("hidden_states", (3, 6)), ("norm_key_weight", (6,)),
+        ("norm_query_weight", (6,)), ("norm_conv_weight", (6,)))})(ops)
+    assert gated.device == META and gated.shape == conv_input.shape == (3, 6)
+    y = dense_conv(x=torch.zeros(2, 5, 3, device=META), weight=torch.zeros(3, 2, device=META))(ops)
+    assert y.device == META and y.shape == (2, 5, 3)
+
+
+@pytest.mark.parametrize("dtype", NOT_INDEX_DTYPES + [torch.int32, torch.int64])
+def test_index_kind_is_int32_or_int64_only(dtype):
+    from ple import _checks
+
+    t = torch.zeros(2, dtype=dtype)
+    if dtype in (torch.int32, torch.int64):
+        assert _checks.tensor("idx", t, kind="index") is t
+    else:
+        with pytest.raises(TypeError, match=r"^idx: expected an int32 or int64 tensor"):
+            _checks.tensor("idx", t, kind="index")
+
+
+def test_value_checks_use_host_values_when_given():
+    # ``host`` hands in values the caller already has (issue 12: the scheduler); they are what is checked.
+    from ple import _checks
+
+    args = conv_args("prefill")
+    a = dict(args)
+    tensors = [a.pop(k) for k in ("inputs", "residual", "conv_state", "conv_weights", "state_indices")]
+    a.update(num_accepted_tokens=None, spec_query_len=1)
+    call = _checks.ple_conv_call(*tensors, host={"state_indices": [3, 1]}, **a)
+    assert call.slots == [3, 1] and call.starts == [0, 2, 5] and call.rows == [5, 0, 2, 6, 1]
+    with pytest.raises(ValueError, match=r"^state_indices: expected slots in \[0, 4\)"):
+        _checks.ple_conv_call(*tensors, host={"state_indices": [1, NUM_SLOTS]}, **a)
+    with pytest.raises(ValueError, match=r"^query_start_loc: host values of shape \(2,\)"):
+        _checks.ple_conv_call(*tensors, host={"query_start_loc": [0, 5]}, **a)

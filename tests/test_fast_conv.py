@@ -1,4 +1,6 @@
-"""``ple.fast.conv`` against ``ple.reference.conv`` (Triton kernels; the interpreter on a CPU).
+"""``ple.fast`` conv ops against ``ple.reference`` (Triton kernels; the interpreter on a CPU).
+
+``conv`` (serving step) and ``training_conv`` (whole sequences) on both sides.
 
 Every test runs the reference and the kernels on identical copies of the same inputs and
 states. Outputs are judged with ``ple.testing.numerics.assert_close`` (bfloat16 against a
@@ -14,8 +16,8 @@ import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from ple import fast  # the public ops: torch.library custom ops over ple.fast.conv
-from ple.reference import conv as ref
+from ple import fast  # the public ops: torch.library custom ops over ple.fast.conv / training_conv
+from ple import reference as ref
 from ple.testing.numerics import assert_bitwise_equal, assert_close, assert_no_nan
 
 pytestmark = pytest.mark.interpreter
@@ -385,8 +387,8 @@ def test_dilated_causal_conv_matches_reference(kind, C, K, d, B, L, lens, dtype,
     cu = None
     if kind == "dense":
         shape = (B, L, C)
-    elif kind == "packed":
-        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    elif kind == "packed":                                  # strided: cu_seqlens a column of a table
+        cu = _index([0] + torch.tensor(lens).cumsum(0).tolist(), torch.int32, strided)
         shape = (sum(lens), C)
     else:
         shape = (L, C)
@@ -419,6 +421,22 @@ def test_dilated_causal_conv_matches_reference(kind, C, K, d, B, L, lens, dtype,
     for name, a, b, e in zip(("y", "dx", "dweight"), got, want, exact, strict=True):
         assert_no_nan(a, name=name)
         assert_close(a, b, exact64=e, name=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_dilated_causal_conv_reads_cu_seqlens_through_its_stride(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = _randn((40, 5), torch.float32, g).requires_grad_()
+    w = _randn((5, 3), torch.float32, g).requires_grad_()
+    dy = _randn((40, 5), torch.float32, g)
+    cu = torch.tensor([0, 99, 3, -7, 3, 5, 37, 1000, 40], dtype=dtype)[::2]      # [0, 3, 3, 37, 40], stride 2
+    outs = []
+    for op in (ref.dilated_causal_conv, fast.dilated_causal_conv):
+        y = op(x, w, dilation=2, cu_seqlens=cu)
+        dx, dw = torch.autograd.grad(y, (x, w), dy)
+        outs.append((y, dx, dw))
+    for name, a, b in zip(("y", "dx", "dweight"), *outs, strict=True):
+        assert_close(a, b, name=name)
 
 
 def test_dilated_causal_conv_gradcheck():
@@ -505,37 +523,52 @@ try:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from ple.fast import conv as F
+    from ple.fast import conv as F, training_conv as TC
     ASTSource(F._export_kernel, {n: "i32" for n in F._export_kernel.arg_names})
 except Exception as e:  # no CUDA backend or another ahead-of-time API: nothing to check here
     print(f"ahead-of-time compilation unavailable: {e!r}")
     sys.exit(3)
 
-def build(kernel, ptrs, consts):
-    sig = {n: "constexpr" if n in consts else ptrs.get(n, "i32") for n in kernel.arg_names}
+def build(kernel, ptrs, consts, floats=()):
+    sig = {n: "constexpr" if n in consts else "fp32" if n in floats else ptrs.get(n, "i32")
+           for n in kernel.arg_names}
     triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
 
-step = dict(K=4, DILATION=3, HAS_TOKEN_INDICES=True, X_BF16=True, ST_BF16=False, STATE_SAME=False,
-            BLOCK_C=128)
+step = dict(K=4, DILATION=3, HAS_TOKEN_INDICES=True, IS_X_BF16=True, IS_STATE_BF16=False,
+            IS_STATE_SAME_DTYPE=False, BLOCK_C=128)
 ptrs = dict(x_ptr="*bf16", res_ptr="*bf16", outer_ptr="*bf16", state_ptr="*fp32", w_ptr="*bf16",
             slot_ptr="*i64", qsl_ptr="*i32", init_ptr="*u8", nat_ptr="*i32", rows_ptr="*i64",
             tiles_ptr="*i32")
-for mode, block_t in ((0, 32), (1, 1), (2, 4)):
-    flags = dict(step, MODE=mode, HAS_INIT_FLAGS=mode != 2, INIT_DEFAULT=int(mode != 0))
+for mode, block_t in ((F.PREFILL.value, 32), (F.DECODE.value, 1), (F.SPEC.value, 4)):
+    flags = dict(step, MODE=mode, HAS_INIT_FLAGS=mode != F.SPEC.value,
+                 IS_INIT_DEFAULT=int(mode != F.PREFILL.value))
     build(F._step_out_kernel, ptrs,
-          dict(flags, HAS_OUTER_RESIDUAL=True, W_BF16=True, FP64=False, BLOCK_T=block_t))
-    build(F._step_state_kernel, ptrs, dict(flags, W_OUT=12 if mode == 2 else 9))
+          dict(flags, HAS_OUTER_RESIDUAL=True, IS_W_BF16=True, IS_FP64=False, BLOCK_T=block_t))
+    build(F._step_state_kernel, ptrs, dict(flags, W_OUT=12 if mode == F.SPEC.value else 9))
 build(F._export_kernel, dict(x_ptr="*bf16", state_ptr="*fp32", qsl_ptr="*i32", off_ptr="*i64",
                              slots_ptr="*i32", rows_ptr="*i32"),
-      dict(HAS_TOKEN_INDICES=True, X_BF16=True, ST_BF16=False, STATE_SAME=False, BLOCK_C=128))
+      dict(HAS_TOKEN_INDICES=True, IS_X_BF16=True, IS_STATE_BF16=False, IS_STATE_SAME_DTYPE=False, BLOCK_C=128))
 for dt, acc, varlen in (("*bf16", "*fp32", True), ("*fp64", "*fp64", False)):
-    flags = dict(K=4, DILATION=3, VARLEN=varlen, X_BF16=dt == "*bf16", W_BF16=False, FP64=dt == "*fp64",
-                 BLOCK_T=32, BLOCK_C=128)
+    flags = dict(K=4, DILATION=3, IS_VARLEN=varlen, IS_X_BF16=dt == "*bf16", IS_W_BF16=False,
+                 IS_FP64=dt == "*fp64", BLOCK_T=32, BLOCK_C=128)
     p = dict(x_ptr=dt, w_ptr="*fp32", y_ptr=dt, dy_ptr=dt, g_ptr=dt, dx_ptr=dt, dw_ptr=acc, cu_ptr="*i32",
              tiles_ptr="*i32")
-    build(F._dcc_fwd_kernel, p, flags)
-    build(F._dcc_bwd_gw_kernel, p, dict(flags, NEED_DW=True))
-    build(F._dcc_bwd_dx_kernel, p, flags)
+    build(TC._dcc_fwd_kernel, p, flags)
+    build(TC._dcc_bwd_gw_kernel, p, flags)
+    build(TC._dcc_bwd_dx_kernel, p, flags)
+# The other parts' kernels too (they share the bfloat16 rounding of ple.fast._numerics).
+from ple.fast import embedding as E, gate as G, hashing as H
+scalars = ("eps_hi", "eps_lo", "sqrt_h")
+for kernel in (G._gate_fwd_kernel, G._gate_bwd_kernel):
+    p = {n: "*bf16" for n in kernel.arg_names if n.endswith("_ptr")}
+    p.update(dv_ptr="*fp32", dw_ptr="*fp32")
+    build(kernel, p, dict(IS_FP64=False, IS_BF16=True, IS_FP16=False, BLOCK_H=128), floats=scalars)
+build(H._ngram_kernel, dict(ids_ptr="*i32", qsl_ptr="*i32", ctx_ptr="*i64", mult_ptr="*i64", sizes_ptr="*i64",
+                            offsets_ptr="*i64", out_ptr="*i64", w_ptr="*bf16", emb_ptr="*bf16"),
+      dict(N=3, P=8, IS_VARLEN=True, HAS_CONTEXT=True, HAS_IDS_OUT=True, HAS_TABLE=True, BLOCK_T=64, BLOCK_D=128))
+build(E._lookup_fwd_kernel, dict(w_ptr="*bf16", ids_ptr="*i64", out_ptr="*bf16"), dict(BLOCK_T=32, BLOCK_D=128))
+build(E._lookup_bwd_kernel, dict(g_ptr="*bf16", ids_ptr="*i64", dw_ptr="*fp32"),
+      dict(IS_FP64=False, BLOCK_T=32, BLOCK_D=128))
 print("compiled")
 '''
 

@@ -1,26 +1,25 @@
 """Triton kernels with the names and signatures of ``ple.reference``.
 
-Each public function validates its arguments with the same checks as its
-reference twin (``ple._checks`` and the reference's ``check_*``), then launches
-kernels that load, compute in float32 and cast on store. The functions exported
-here go through ``torch.library`` custom ops (``torch.ops.ple.*``, see
-``ple.fast.library``) so ``torch.compile`` traces the layer without graph breaks;
-the kernels and their plain launchers live in ``hashing``, ``embedding``, ``gate``
-and ``conv``. Host-side parameters (``hash_params``) are shared with the
-reference. On a machine without CUDA the kernels run under ``TRITON_INTERPRET=1``.
+One module per part, mirroring the reference: ``hashing``, ``embedding``, ``gate``,
+``conv`` (the serving step) and ``training_conv``. Each holds, in this order, its
+kernels, their launchers and the op's registration with ``torch.library``
+(``torch.ops.ple.*``, through ``_library.register``) so ``torch.compile`` traces the
+layer without graph breaks. The public functions take the signature and docstring of
+their reference twin (``_library.twin``); each checks the call's metadata
+(``ple._checks.<op>_meta``) before dispatch, and the registered op checks the index
+values at run time (``ple._checks.<op>_values``), see ``ple._checks``. Kernels load,
+compute in float32 (float64 for float64 inputs) and round on store with the shared
+``_numerics``. Host-side parameters (``hash_params``) are shared with the reference.
+On a machine without CUDA the kernels run under ``TRITON_INTERPRET=1``.
 """
 
 from ..reference.gate import grouped_rms_norm
 from ..reference.hashing import HashParams, hash_params, splitmix64
-from .library import (
-    dilated_causal_conv,
-    embedding_lookup,
-    export_conv_checkpoints,
-    ngram_embedding,
-    ngram_ids,
-    ple_conv,
-    ple_gate,
-)
+from .conv import export_conv_checkpoints, ple_conv
+from .embedding import embedding_lookup
+from .gate import ple_gate
+from .hashing import ngram_embedding, ngram_ids
+from .training_conv import dilated_causal_conv
 
 __all__ = [
     "HashParams", "hash_params", "splitmix64", "ngram_ids", "embedding_lookup", "grouped_rms_norm",

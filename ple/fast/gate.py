@@ -32,16 +32,18 @@ Numerics: everything is computed in float32 (float64 for float64 inputs, so grad
 works), and values are rounded to the input dtype where the reference rounds them (after
 each norm, the product ``kn * qn``, the group sum, the division by ``sqrt(H)``, the
 clamp, the square root, the sigmoid and ``g * v``), so a bfloat16 run follows the
-reference's bfloat16 rounding. Rounding to bfloat16 is done with integer bit arithmetic
-(round to nearest even) instead of ``.to(tl.bfloat16)``: it is exact on a GPU and under
+reference's bfloat16 rounding. Rounding to bfloat16 is ``_numerics.round_bf16`` (bit
+arithmetic, round to nearest even, NaN -> the canonical NaN): exact on a GPU and under
 the Triton interpreter alike (the interpreter's float32 -> bfloat16 cast truncates).
 The backward recomputes the forward in float32 *without* those roundings and rounds only
 the final gradients: its gradients are the exact derivative at the given inputs up to
 float32 error, which is what a bfloat16 run is judged against (a float64 run). Mirroring
 the roundings there made a 1000x-amplified gradient (the conv norm of an all-zero value
 row has ``r_x = 1/sqrt(eps)``) land one bfloat16 ulp off.
-"""
 
+Registered as ``torch.ops.ple.ple_gate`` (autograd: ``ple.ple_gate_backward``); the public
+``ple_gate`` checks the call (``ple._checks.gate_call``; the gate reads no index values).
+"""
 from __future__ import annotations
 
 import math
@@ -50,20 +52,23 @@ import torch
 import triton
 import triton.language as tl
 
-__all__: list[str] = []   # launchers only; the public op is ple.fast.ple_gate (library.py)
+from .. import _checks
+from ..reference import gate as _reference
+from ._library import register, twin
+from ._numerics import acc_dtype, is_fp64, round_bf16
+
+__all__ = ["ple_gate"]
 
 _BWD_PROGRAMS_T = 256   # token blocks of the backward: bounds the weight-gradient partials to [3, 256, C]
 
 
 @triton.jit
-def _round_io(x, IO_BF16: tl.constexpr, IO_FP16: tl.constexpr):
+def _round_io(x, IS_BF16: tl.constexpr, IS_FP16: tl.constexpr):
     """Round float32 ``x`` to the input dtype and back (identity for float32 / float64 inputs)."""
     r = x
-    if IO_BF16:
-        b = x.to(tl.int32, bitcast=True)
-        b = (b + (0x7FFF + ((b >> 16) & 1))) & -65536              # round to nearest even, 16 bits
-        r = tl.where(x == x, b.to(tl.float32, bitcast=True), x)    # NaN stays NaN
-    if IO_FP16:
+    if IS_BF16:
+        r = round_bf16(x)
+    if IS_FP16:
         r = x.to(tl.float16).to(tl.float32)
     return r
 
@@ -115,74 +120,81 @@ def _scalars(H, eps_hi, eps_lo, sqrt_h, IS_FP64: tl.constexpr):
 
 @triton.jit
 def _gate_core(k, q, v, wk, wq, H, eps, sqrt_h,
-               IS_FP64: tl.constexpr, IO_BF16: tl.constexpr, IO_FP16: tl.constexpr):
+               IS_FP64: tl.constexpr, IS_BF16: tl.constexpr, IS_FP16: tl.constexpr):
     """Forward of one (token, stream) up to the gated value; masked lanes hold zeros."""
     r_k = _rsqrt(tl.sum(k * k, 0) / H + eps, IS_FP64)
     kh = k * r_k
-    kn = _round_io(kh * (1.0 + wk), IO_BF16, IO_FP16)
+    kn = _round_io(kh * (1.0 + wk), IS_BF16, IS_FP16)
     r_q = _rsqrt(tl.sum(q * q, 0) / H + eps, IS_FP64)
     qh = q * r_q
-    qn = _round_io(qh * (1.0 + wq), IO_BF16, IO_FP16)
-    s = _round_io(tl.sum(_round_io(kn * qn, IO_BF16, IO_FP16), 0), IO_BF16, IO_FP16)
-    s = _round_io(s / sqrt_h, IO_BF16, IO_FP16)
+    qn = _round_io(qh * (1.0 + wq), IS_BF16, IS_FP16)
+    s = _round_io(tl.sum(_round_io(kn * qn, IS_BF16, IS_FP16), 0), IS_BF16, IS_FP16)
+    s = _round_io(s / sqrt_h, IS_BF16, IS_FP16)
     a = tl.abs(s)
-    mag = _round_io(tl.sqrt(_round_io(tl.maximum(a, _gate_clamp(IS_FP64)), IO_BF16, IO_FP16)),
-                    IO_BF16, IO_FP16)
+    mag = _round_io(tl.sqrt(_round_io(tl.maximum(a, _gate_clamp(IS_FP64)), IS_BF16, IS_FP16)),
+                    IS_BF16, IS_FP16)
     sgn = tl.where(s > 0, 1.0, tl.where(s < 0, -1.0, 0.0))
     z = mag * sgn
-    g = _round_io(1.0 / (1.0 + tl.exp(-z)), IO_BF16, IO_FP16)
-    x = _round_io(g * v, IO_BF16, IO_FP16)
+    g = _round_io(1.0 / (1.0 + tl.exp(-z)), IS_BF16, IS_FP16)
+    x = _round_io(g * v, IS_BF16, IS_FP16)
     return r_k, kh, kn, r_q, qh, qn, a, mag, g, x
 
 
 @triton.jit
-def _gate_fwd_kernel(
-    key_ptr, stride_k_t, stride_k_c, value_ptr, stride_v_t, stride_v_h, hid_ptr, stride_q_t, stride_q_c,
-    wk_ptr, stride_wk, wq_ptr, stride_wq, wc_ptr, stride_wc,
-    gated_ptr, stride_x_t, stride_x_c, conv_ptr, stride_y_t, stride_y_c,
-    H, eps_hi, eps_lo, sqrt_h,
-    IS_FP64: tl.constexpr, IO_BF16: tl.constexpr, IO_FP16: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    eps, sqrt_h = _scalars(H, eps_hi, eps_lo, sqrt_h, IS_FP64)
-    t = tl.program_id(0).to(tl.int64)
+def _stream_setup(wk_ptr, stride_wk_c, wq_ptr, stride_wq_c, wc_ptr, stride_wc_c, H, eps_hi, eps_lo, sqrt_h,
+                  IS_FP64: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The stream ``m`` of this program: its channels ``c`` (lanes ``h``, live ``hm``), the three
+    norm weights of those channels, ``eps`` and ``sqrt(H)`` in the compute dtype."""
+    eps, root = _scalars(H, eps_hi, eps_lo, sqrt_h, IS_FP64)
     m = tl.program_id(1).to(tl.int64)
     h = tl.arange(0, BLOCK_H).to(tl.int64)
     hm = h < H
     c = m * H + h                                                  # channel within [0, C)
-    k = _to_acc(tl.load(key_ptr + t * stride_k_t + c * stride_k_c, mask=hm, other=0.0), IS_FP64)
-    q = _to_acc(tl.load(hid_ptr + t * stride_q_t + c * stride_q_c, mask=hm, other=0.0), IS_FP64)
-    v = _to_acc(tl.load(value_ptr + t * stride_v_t + h * stride_v_h, mask=hm, other=0.0), IS_FP64)
-    wk = _to_acc(tl.load(wk_ptr + c * stride_wk, mask=hm, other=0.0), IS_FP64)
-    wq = _to_acc(tl.load(wq_ptr + c * stride_wq, mask=hm, other=0.0), IS_FP64)
-    wc = _to_acc(tl.load(wc_ptr + c * stride_wc, mask=hm, other=0.0), IS_FP64)
+    wk = _to_acc(tl.load(wk_ptr + c * stride_wk_c, mask=hm, other=0.0), IS_FP64)
+    wq = _to_acc(tl.load(wq_ptr + c * stride_wq_c, mask=hm, other=0.0), IS_FP64)
+    wc = _to_acc(tl.load(wc_ptr + c * stride_wc_c, mask=hm, other=0.0), IS_FP64)
+    return h, hm, c, wk, wq, wc, eps, root
+
+
+@triton.jit
+def _gate_fwd_kernel(
+    key_ptr, stride_key_t, stride_key_c, value_ptr, stride_value_t, stride_value_h,
+    hid_ptr, stride_hid_t, stride_hid_c,
+    wk_ptr, stride_wk_c, wq_ptr, stride_wq_c, wc_ptr, stride_wc_c,
+    gated_ptr, stride_gated_t, stride_gated_c, conv_ptr, stride_conv_t, stride_conv_c,
+    H, eps_hi, eps_lo, sqrt_h,
+    IS_FP64: tl.constexpr, IS_BF16: tl.constexpr, IS_FP16: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    h, hm, c, wk, wq, wc, eps, sqrt_h = _stream_setup(wk_ptr, stride_wk_c, wq_ptr, stride_wq_c, wc_ptr, stride_wc_c,
+                                                      H, eps_hi, eps_lo, sqrt_h, IS_FP64, BLOCK_H)
+    t = tl.program_id(0).to(tl.int64)
+    k = _to_acc(tl.load(key_ptr + t * stride_key_t + c * stride_key_c, mask=hm, other=0.0), IS_FP64)
+    q = _to_acc(tl.load(hid_ptr + t * stride_hid_t + c * stride_hid_c, mask=hm, other=0.0), IS_FP64)
+    v = _to_acc(tl.load(value_ptr + t * stride_value_t + h * stride_value_h, mask=hm, other=0.0), IS_FP64)
     r_k, kh, kn, r_q, qh, qn, a, mag, g, x = _gate_core(k, q, v, wk, wq, H, eps, sqrt_h,
-                                                        IS_FP64, IO_BF16, IO_FP16)
+                                                        IS_FP64, IS_BF16, IS_FP16)
     r_x = _rsqrt(tl.sum(x * x, 0) / H + eps, IS_FP64)
-    y = _round_io(x * r_x * (1.0 + wc), IO_BF16, IO_FP16)
-    tl.store(gated_ptr + t * stride_x_t + c * stride_x_c, x, mask=hm)
-    tl.store(conv_ptr + t * stride_y_t + c * stride_y_c, y, mask=hm)
+    y = _round_io(x * r_x * (1.0 + wc), IS_BF16, IS_FP16)
+    tl.store(gated_ptr + t * stride_gated_t + c * stride_gated_c, x, mask=hm)
+    tl.store(conv_ptr + t * stride_conv_t + c * stride_conv_c, y, mask=hm)
 
 
 @triton.jit
 def _gate_bwd_kernel(
-    key_ptr, stride_k_t, stride_k_c, value_ptr, stride_v_t, stride_v_h, hid_ptr, stride_q_t, stride_q_c,
-    wk_ptr, stride_wk, wq_ptr, stride_wq, wc_ptr, stride_wc,
-    dx_ptr, stride_dx_t, stride_dx_c, dy_ptr, stride_dy_t, stride_dy_c,   # grads of gated, conv_input
+    key_ptr, stride_key_t, stride_key_c, value_ptr, stride_value_t, stride_value_h,
+    hid_ptr, stride_hid_t, stride_hid_c,
+    wk_ptr, stride_wk_c, wq_ptr, stride_wq_c, wc_ptr, stride_wc_c,
+    dgated_ptr, stride_dgated_t, stride_dgated_c,                         # grad of gated
+    dconv_ptr, stride_dconv_t, stride_dconv_c,                            # grad of conv_input
     dk_ptr, dq_ptr,                                                       # [T, C] contiguous, input dtype
     dv_ptr,                                                               # [T, H] contiguous, acc, zeroed
     dw_ptr,                                                               # [3, blocks, C] contiguous, acc
     T, H, C, tok_per_prog, num_blocks, eps_hi, eps_lo, sqrt_h,
-    IS_FP64: tl.constexpr, IO_BF16: tl.constexpr, IO_FP16: tl.constexpr, BLOCK_H: tl.constexpr,
+    IS_FP64: tl.constexpr, IS_BF16: tl.constexpr, IS_FP16: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    eps, sqrt_h = _scalars(H, eps_hi, eps_lo, sqrt_h, IS_FP64)
+    h, hm, c, wk, wq, wc, eps, sqrt_h = _stream_setup(wk_ptr, stride_wk_c, wq_ptr, stride_wq_c, wc_ptr, stride_wc_c,
+                                                      H, eps_hi, eps_lo, sqrt_h, IS_FP64, BLOCK_H)
     pid_t = tl.program_id(0).to(tl.int64)
-    m = tl.program_id(1).to(tl.int64)
-    h = tl.arange(0, BLOCK_H).to(tl.int64)
-    hm = h < H
-    c = m * H + h
-    wk = _to_acc(tl.load(wk_ptr + c * stride_wk, mask=hm, other=0.0), IS_FP64)
-    wq = _to_acc(tl.load(wq_ptr + c * stride_wq, mask=hm, other=0.0), IS_FP64)
-    wc = _to_acc(tl.load(wc_ptr + c * stride_wc, mask=hm, other=0.0), IS_FP64)
     clamp = _gate_clamp(IS_FP64)
     dwk = _to_acc(tl.zeros([BLOCK_H], dtype=tl.float32), IS_FP64)
     dwq = _to_acc(tl.zeros([BLOCK_H], dtype=tl.float32), IS_FP64)
@@ -190,16 +202,16 @@ def _gate_bwd_kernel(
     for i in range(tok_per_prog):
         t = pid_t * tok_per_prog + i
         msk = h < tl.where(t < T, H, 0)   # live channels of a live token (hm & (t < T) trips the interpreter)
-        k = _to_acc(tl.load(key_ptr + t * stride_k_t + c * stride_k_c, mask=msk, other=0.0), IS_FP64)
-        q = _to_acc(tl.load(hid_ptr + t * stride_q_t + c * stride_q_c, mask=msk, other=0.0), IS_FP64)
-        v = _to_acc(tl.load(value_ptr + t * stride_v_t + h * stride_v_h, mask=msk, other=0.0), IS_FP64)
+        k = _to_acc(tl.load(key_ptr + t * stride_key_t + c * stride_key_c, mask=msk, other=0.0), IS_FP64)
+        q = _to_acc(tl.load(hid_ptr + t * stride_hid_t + c * stride_hid_c, mask=msk, other=0.0), IS_FP64)
+        v = _to_acc(tl.load(value_ptr + t * stride_value_t + h * stride_value_h, mask=msk, other=0.0), IS_FP64)
         # Recompute the forward without the low-precision roundings (see the module docstring).
         r_k, kh, kn, r_q, qh, qn, a, mag, g, x = _gate_core(k, q, v, wk, wq, H, eps, sqrt_h,
                                                             IS_FP64, False, False)
         r_x = _rsqrt(tl.sum(x * x, 0) / H + eps, IS_FP64)
         xh = x * r_x
-        dxo = _to_acc(tl.load(dx_ptr + t * stride_dx_t + c * stride_dx_c, mask=msk, other=0.0), IS_FP64)
-        dy = _to_acc(tl.load(dy_ptr + t * stride_dy_t + c * stride_dy_c, mask=msk, other=0.0), IS_FP64)
+        dxo = _to_acc(tl.load(dgated_ptr + t * stride_dgated_t + c * stride_dgated_c, mask=msk, other=0.0), IS_FP64)
+        dy = _to_acc(tl.load(dconv_ptr + t * stride_dconv_t + c * stride_dconv_c, mask=msk, other=0.0), IS_FP64)
         # conv norm
         dwc += dy * xh
         dxh = dy * (1.0 + wc)
@@ -219,8 +231,8 @@ def _gate_bwd_kernel(
         dqh = dqn * (1.0 + wq)
         dk = r_k * (dkh - kh * (tl.sum(dkh * kh, 0) / H))
         dq = r_q * (dqh - qh * (tl.sum(dqh * qh, 0) / H))
-        tl.store(dk_ptr + t * C + c, _round_io(dk, IO_BF16, IO_FP16), mask=msk)
-        tl.store(dq_ptr + t * C + c, _round_io(dq, IO_BF16, IO_FP16), mask=msk)
+        tl.store(dk_ptr + t * C + c, _round_io(dk, IS_BF16, IS_FP16), mask=msk)
+        tl.store(dq_ptr + t * C + c, _round_io(dq, IS_BF16, IS_FP16), mask=msk)
     tl.store(dw_ptr + (0 * num_blocks + pid_t) * C + c, dwk, mask=hm)
     tl.store(dw_ptr + (1 * num_blocks + pid_t) * C + c, dwq, mask=hm)
     tl.store(dw_ptr + (2 * num_blocks + pid_t) * C + c, dwc, mask=hm)
@@ -233,31 +245,34 @@ def _eps_parts(eps: float) -> tuple[float, float]:
     return hi, lo
 
 
-def _flags(dtype: torch.dtype) -> dict:
-    return dict(IS_FP64=dtype == torch.float64, IO_BF16=dtype == torch.bfloat16,
-                IO_FP16=dtype == torch.float16)
-
-
-def _launch_opts(H: int) -> dict:
+def _launch_args(key, value, hidden_states, wk, wq, wc, eps) -> dict:
+    """The arguments both kernels share: inputs, strides, scalars, flags and launch options."""
+    H = value.shape[1]
+    eps_hi, eps_lo = _eps_parts(eps)
     block_h = triton.next_power_of_2(H)
-    return dict(BLOCK_H=block_h, num_warps=4 if block_h <= 1024 else (8 if block_h <= 4096 else 16))
+    dt = key.dtype
+    return dict(
+        key_ptr=key, stride_key_t=key.stride(0), stride_key_c=key.stride(1),
+        value_ptr=value, stride_value_t=value.stride(0), stride_value_h=value.stride(1),
+        hid_ptr=hidden_states, stride_hid_t=hidden_states.stride(0), stride_hid_c=hidden_states.stride(1),
+        wk_ptr=wk, stride_wk_c=wk.stride(0), wq_ptr=wq, stride_wq_c=wq.stride(0), wc_ptr=wc, stride_wc_c=wc.stride(0),
+        H=H, eps_hi=eps_hi, eps_lo=eps_lo, sqrt_h=math.sqrt(H),
+        IS_FP64=is_fp64(dt), IS_BF16=dt == torch.bfloat16, IS_FP16=dt == torch.float16, BLOCK_H=block_h,
+        num_warps=4 if block_h <= 1024 else (8 if block_h <= 4096 else 16),
+    )
 
 
 def _gate_fwd(key, value, hidden_states, wk, wq, wc, eps):
     T, C = key.shape
-    H = value.shape[1]
-    M = C // H
+    M = C // value.shape[1]
     gated = torch.empty((T, C), dtype=key.dtype, device=key.device)
     conv_input = torch.empty((T, C), dtype=key.dtype, device=key.device)
     if T == 0:
         return gated, conv_input
     _gate_fwd_kernel[(T, M)](
-        key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1),
-        hidden_states, hidden_states.stride(0), hidden_states.stride(1),
-        wk, wk.stride(0), wq, wq.stride(0), wc, wc.stride(0),
-        gated, gated.stride(0), gated.stride(1), conv_input, conv_input.stride(0), conv_input.stride(1),
-        H, *_eps_parts(eps), math.sqrt(H), **_flags(key.dtype), **_launch_opts(H),
-    )
+        gated_ptr=gated, stride_gated_t=gated.stride(0), stride_gated_c=gated.stride(1),
+        conv_ptr=conv_input, stride_conv_t=conv_input.stride(0), stride_conv_c=conv_input.stride(1),
+        **_launch_args(key, value, hidden_states, wk, wq, wc, eps))
     return gated, conv_input
 
 
@@ -267,7 +282,7 @@ def _gate_bwd(dgated, dconv, key, value, hidden_states, wk, wq, wc, eps):
     H = value.shape[1]
     M = C // H
     dt = key.dtype
-    acc = torch.float64 if dt == torch.float64 else torch.float32
+    acc = acc_dtype(dt)
     dkey = torch.empty((T, C), dtype=dt, device=key.device)
     dhidden = torch.empty((T, C), dtype=dt, device=key.device)
     dvalue = torch.zeros((T, H), dtype=acc, device=key.device)
@@ -278,12 +293,66 @@ def _gate_bwd(dgated, dconv, key, value, hidden_states, wk, wq, wc, eps):
         dw.zero_()
     else:
         _gate_bwd_kernel[(blocks, M)](
-            key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1),
-            hidden_states, hidden_states.stride(0), hidden_states.stride(1),
-            wk, wk.stride(0), wq, wq.stride(0), wc, wc.stride(0),
-            dgated, dgated.stride(0), dgated.stride(1), dconv, dconv.stride(0), dconv.stride(1),
-            dkey, dhidden, dvalue, dw,
-            T, H, C, tok_per_prog, blocks, *_eps_parts(eps), math.sqrt(H), **_flags(dt), **_launch_opts(H),
-        )
+            dgated_ptr=dgated, stride_dgated_t=dgated.stride(0), stride_dgated_c=dgated.stride(1),
+            dconv_ptr=dconv, stride_dconv_t=dconv.stride(0), stride_dconv_c=dconv.stride(1),
+            dk_ptr=dkey, dq_ptr=dhidden, dv_ptr=dvalue, dw_ptr=dw,
+            T=T, C=C, tok_per_prog=tok_per_prog, num_blocks=blocks,
+            **_launch_args(key, value, hidden_states, wk, wq, wc, eps))
     dw = dw.sum(1)                                                   # [3, C] over token blocks
     return (dkey, dvalue.to(dt), dhidden, dw[0].to(wk.dtype), dw[1].to(wq.dtype), dw[2].to(wc.dtype))
+
+
+# ---- registration ----------------------------------------------------------------------------------
+
+
+def _gate_bwd_impl(dgated: torch.Tensor, dconv: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   hidden_states: torch.Tensor, norm_key_weight: torch.Tensor, norm_query_weight: torch.Tensor,
+                   norm_conv_weight: torch.Tensor, eps: float) -> list[torch.Tensor]:
+    grads = list(_gate_bwd(dgated, dconv, key, value, hidden_states, norm_key_weight, norm_query_weight,
+                           norm_conv_weight, eps))
+    # The three weight gradients can be views of one reduction buffer; outputs of an op must not alias.
+    return grads[:3] + [g.clone() for g in grads[3:]]
+
+
+def _gate_bwd_fake(dgated, dconv, key, value, hidden_states, wk, wq, wc, eps):
+    return [torch.empty_like(key, memory_format=torch.contiguous_format),
+            torch.empty_like(value, memory_format=torch.contiguous_format),
+            torch.empty_like(hidden_states, memory_format=torch.contiguous_format),
+            torch.empty_like(wk), torch.empty_like(wq), torch.empty_like(wc)]
+
+
+_gate_bwd_op = register("ple_gate_backward", _gate_bwd_impl, fake=_gate_bwd_fake)
+
+
+def _gate_impl(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor, norm_key_weight: torch.Tensor,
+               norm_query_weight: torch.Tensor, norm_conv_weight: torch.Tensor,
+               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _gate_fwd(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps)
+
+
+def _gate_fake(key, value, hidden_states, wk, wq, wc, eps):
+    return (torch.empty_like(key, memory_format=torch.contiguous_format),
+            torch.empty_like(key, memory_format=torch.contiguous_format))
+
+
+def _gate_setup(ctx, inputs, output):
+    *tensors, eps = inputs
+    ctx.save_for_backward(*tensors)
+    ctx.eps = eps
+
+
+def _gate_backward(ctx, dgated, dconv):
+    tensors = ctx.saved_tensors
+    dgated = torch.zeros_like(tensors[0]) if dgated is None else dgated
+    dconv = torch.zeros_like(tensors[0]) if dconv is None else dconv
+    grads = _gate_bwd_op(dgated, dconv, *tensors, ctx.eps)
+    return (*grads, None)
+
+
+_gate_op = register("ple_gate", _gate_impl, fake=_gate_fake, backward=_gate_backward, setup_context=_gate_setup)
+
+
+@twin(_reference.ple_gate)
+def ple_gate(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps):
+    _checks.gate_call(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps)
+    return _gate_op(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, float(eps))

@@ -1,13 +1,13 @@
-"""The dilated depthwise causal convolution (SPEC sections 5 and 6).
+"""The dilated depthwise causal convolution of a serving step (SPEC sections 5 and 6).
 
 For one request with conv inputs ``u`` (``[L, C]``) and history ``hist`` (the S
 inputs before them, oldest first, then ``u``)::
 
     y_t = silu( sum_{j=0..K-1} w[:, j] * hist[S + t - (K-1-j) * d] )      S = (K-1) * d
 
-``w[:, K-1]`` is the tap on the current token. Three entry points:
+``w[:, K-1]`` is the tap on the current token. Two entry points here (the training
+path, ``dilated_causal_conv``, is in ``training_conv``):
 
-* ``dilated_causal_conv``: whole sequences for training (autograd), dense or packed.
 * ``ple_conv``: one serving step of prefill, decode or spec rows, reading and
   writing per-request conv states in place, adding ``y`` (and ``outer_residual``)
   into ``residual``.
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from .. import _checks
 from .gate import acc_dtype
 
-__all__ = ["ple_conv", "export_conv_checkpoints", "dilated_causal_conv", "conv_over_history"]
+__all__ = ["ple_conv", "export_conv_checkpoints", "conv_over_history"]
 
 
 def conv_over_history(hist: torch.Tensor, weight: torch.Tensor, dilation: int) -> torch.Tensor:
@@ -76,7 +76,7 @@ def ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Ten
     the state's dtype. Every output reads the states as they were before the call.
     The residual adds are rounded one at a time: ``(residual + y) + outer_residual``.
     """
-    call = _checks.ple_conv_args(
+    call = _checks.ple_conv_call(
         inputs, residual, conv_state, conv_weights, state_indices, mode=mode, dilation=dilation,
         query_start_loc=query_start_loc, has_initial_states=has_initial_states,
         num_accepted_tokens=num_accepted_tokens, spec_query_len=spec_query_len,
@@ -130,64 +130,12 @@ def export_conv_checkpoints(inputs: torch.Tensor, conv_state: torch.Tensor, *,
     request's rows is a ``ValueError``. ``offsets[r] == 0`` and ``slots[r] == null_slot``
     write nothing.
     """
-    call = _checks.export_checkpoint_args(inputs, conv_state, query_start_loc=query_start_loc,
-                                          offsets=offsets, slots=slots, state_len=state_len,
-                                          token_indices=token_indices, null_slot=null_slot)
+    call = _checks.export_call(inputs, conv_state, query_start_loc=query_start_loc,
+                                 offsets=offsets, slots=slots, state_len=state_len,
+                                 token_indices=token_indices, null_slot=null_slot)
     for r, (off, slot) in enumerate(zip(call.offsets, call.slots)):
         if off == 0 or slot == null_slot:
             continue
         logical = list(range(call.starts[r] + off - state_len, call.starts[r] + off))
         rows = logical if call.rows is None else [call.rows[i] for i in logical]
         conv_state[slot, :, :state_len] = inputs[rows].T.to(conv_state.dtype)
-
-
-def check_dense_conv_args(x, weight, dilation, cu_seqlens):
-    _checks.tensor("x", x, kind="float")
-    if x.dim() not in (2, 3):
-        raise ValueError(f"x: expected [B, L, C] or packed [T, C], got shape {tuple(x.shape)}")
-    C = x.shape[-1]
-    _checks.tensor("weight", weight, ndim=2, kind="float", device=x.device, shape=(C, None))
-    if weight.shape[1] < 1:
-        raise ValueError("weight: expected at least one tap, got shape (C, 0)")
-    _checks.int_arg("dilation", dilation, minimum=1)
-    if cu_seqlens is not None:
-        if x.dim() != 2:
-            raise ValueError(f"x: cu_seqlens needs packed [T, C] input, got shape {tuple(x.shape)}")
-        return _checks.offsets_arg("cu_seqlens", cu_seqlens, total=x.shape[0], device=x.device)
-    return None
-
-
-def dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: int,
-                        cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """``silu(causal dilated depthwise conv(x))`` over whole sequences, with autograd.
-
-    ``x`` is ``[B, L, C]`` (each row a sequence) or packed ``[T, C]`` with
-    ``cu_seqlens`` (``[R+1]``) cutting it into sequences; a 2-D ``x`` without
-    ``cu_seqlens`` is one sequence. ``weight`` is ``[C, K]``. Every sequence starts
-    with zero history. Returns ``y`` with ``x``'s shape and dtype.
-    """
-    starts = check_dense_conv_args(x, weight, dilation, cu_seqlens)
-    K = weight.shape[1]
-    acc = acc_dtype(x.dtype)
-    xf, w = x.to(acc), weight.to(acc)
-    if x.dim() == 3:
-        L = x.shape[1]
-        pos = torch.arange(L, device=x.device)
-        time_dim = 1
-    else:
-        T = x.shape[0]
-        seq_start = torch.zeros(T, dtype=torch.int64, device=x.device)
-        if starts is not None:
-            lens = torch.tensor([b - a for a, b in zip(starts, starts[1:])], device=x.device, dtype=torch.int64)
-            seq_start = torch.repeat_interleave(torch.tensor(starts[:-1], device=x.device, dtype=torch.int64), lens)
-        pos = torch.arange(T, device=x.device) - seq_start      # position within its sequence
-        time_dim = 0
-    out = torch.zeros_like(xf)
-    for j in range(K):
-        lag = (K - 1 - j) * dilation
-        src = (torch.arange(pos.numel(), device=x.device) - lag).clamp(min=0)
-        shifted = xf.index_select(time_dim, src)
-        valid = (pos >= lag).to(acc)                            # zero history before each sequence
-        valid = valid[:, None] if time_dim == 0 else valid[None, :, None]
-        out = out + w[:, j] * shifted * valid
-    return F.silu(out.to(x.dtype).to(acc)).to(x.dtype)

@@ -10,22 +10,13 @@ from .. import _checks
 __all__ = ["embedding_lookup", "embedding_lookup_sparse_grad"]
 
 
-def check_lookup_args(weight, ids):
-    _checks.tensor("weight", weight, ndim=2)
-    _checks.tensor("ids", ids, ndim=2, kind="anyint", device=weight.device)
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= weight.shape[0]):
-        raise ValueError(f"ids: rows must lie in [0, {weight.shape[0]}), got min {int(ids.min())} "
-                         f"and max {int(ids.max())}")
-
-
 def embedding_lookup(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """``weight[ids]`` flattened per token: ``[rows, D]`` and ``[T, NH]`` give ``[T, NH * D]``.
 
     Head h's row occupies columns ``[h * D, (h + 1) * D)``. Autograd reaches ``weight``.
     """
-    check_lookup_args(weight, ids)
-    T, NH = ids.shape
-    return F.embedding(ids.long(), weight).reshape(T, NH * weight.shape[1])
+    T, NH, D = _checks.lookup_call(weight, ids)
+    return F.embedding(ids.long(), weight).reshape(T, NH * D)
 
 
 class _SparseGradLookup(torch.autograd.Function):
@@ -33,9 +24,11 @@ class _SparseGradLookup(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, weight, ids, lookup):
+        detached = weight.detach() if isinstance(weight, torch.Tensor) else weight
+        out = lookup(detached, ids)                 # validates the call
         ctx.save_for_backward(ids)
         ctx.table_shape = tuple(weight.shape)
-        return lookup(weight.detach(), ids)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -55,5 +48,4 @@ def embedding_lookup_sparse_grad(weight: torch.Tensor, ids: torch.Tensor, lookup
     rows are summed when it is coalesced, e.g. by ``torch.optim.SparseAdam``); its dense
     value equals the dense gradient. ``lookup`` is the backend's ``embedding_lookup``.
     """
-    check_lookup_args(weight, ids)
-    return _SparseGradLookup.apply(weight, ids, lookup)
+    return _SparseGradLookup.apply(weight, ids, lookup)    # ``lookup`` validates the call

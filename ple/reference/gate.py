@@ -37,24 +37,6 @@ def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, group_size: int, eps
     return y.to(x.dtype)
 
 
-def check_gate_args(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps):
-    _checks.tensor("key", key, ndim=2, kind="float")
-    T, C = key.shape
-    dev, dt = key.device, key.dtype
-    _checks.tensor("value", value, ndim=2, kind="float", device=dev)
-    if value.shape[0] != T or value.shape[1] == 0 or C % value.shape[1] != 0:
-        raise ValueError(f"value: expected shape ({T}, H) with H dividing C={C}, got {tuple(value.shape)}")
-    _checks.tensor("hidden_states", hidden_states, kind="float", device=dev, shape=(T, C))
-    for name, t in (("value", value), ("hidden_states", hidden_states)):
-        if t.dtype != dt:
-            raise TypeError(f"{name}: expected dtype {dt} (that of key), got {t.dtype}")
-    for name, w in (("norm_key_weight", norm_key_weight), ("norm_query_weight", norm_query_weight),
-                    ("norm_conv_weight", norm_conv_weight)):
-        _checks.tensor(name, w, kind="float", device=dev, shape=(C,))
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps: expected a positive float, got {eps!r}")
-
-
 def ple_gate(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor,
              norm_key_weight: torch.Tensor, norm_query_weight: torch.Tensor,
              norm_conv_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,8 +48,8 @@ def ple_gate(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor
     ``conv_input = norm_conv(gated)``, with ``g[m] = sigmoid(sign(s) sqrt(max(|s|, 1e-6)))``
     and ``s[m] = <norm_key(key)[m], norm_query(hidden)[m]> / sqrt(H)``.
     """
-    check_gate_args(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps)
-    H = value.shape[1]
+    H = _checks.gate_call(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight,
+                          eps).group_size
     g = stream_gates(key, hidden_states, norm_key_weight, norm_query_weight, H, eps)    # [T, M]
     gated = rearrange(g[:, :, None] * value[:, None, :], "t m h -> t (m h)")
     conv_input = grouped_rms_norm(gated, norm_conv_weight, H, eps)

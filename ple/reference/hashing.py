@@ -121,37 +121,6 @@ def hash_params(config: PLEConfig, ple_layer_index: int) -> HashParams:
     )
 
 
-def check_ngram_args(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context):
-    """Validate ``ngram_ids`` arguments (shared with ``ple.fast``); returns (R, lengths on host)."""
-    _checks.tensor("input_ids", input_ids, ndim=1, kind="anyint")
-    if not isinstance(params, HashParams):
-        raise TypeError(f"params: expected HashParams, got {type(params).__name__}")
-    N = params.multipliers.numel()
-    _checks.int_arg("heads_per_ngram", heads_per_ngram, minimum=1)
-    if params.head_sizes.numel() != (N - 1) * heads_per_ngram:
-        raise ValueError(f"heads_per_ngram: {heads_per_ngram} heads per order and {N} multipliers need "
-                         f"{(N - 1) * heads_per_ngram} head sizes, params has {params.head_sizes.numel()}")
-    V = params.vocab_size
-    _checks.int_arg("eos_token_id", eos_token_id)
-    if not 0 <= eos_token_id < V:
-        raise ValueError(f"eos_token_id: expected an id in [0, {V}), got {eos_token_id}")
-    T = input_ids.numel()
-    dev = input_ids.device
-    if query_start_loc is None:
-        starts = [0, T]
-    else:
-        starts = _checks.offsets_arg("query_start_loc", query_start_loc, total=T, device=dev)
-    R = len(starts) - 1
-    if ngram_context is not None:
-        _checks.tensor("ngram_context", ngram_context, ndim=2, kind="anyint", device=dev, shape=(R, N - 1))
-        if ngram_context.numel() and (int(ngram_context.min()) < 0 or int(ngram_context.max()) >= V):
-            raise ValueError(f"ngram_context: token ids must lie in [0, {V})")
-    if T and (int(input_ids.min()) < 0 or int(input_ids.max()) >= V):
-        raise ValueError(f"input_ids: token ids must lie in [0, {V}), got min {int(input_ids.min())} "
-                         f"and max {int(input_ids.max())}")
-    return R, starts
-
-
 def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: int, eos_token_id: int,
               query_start_loc: torch.Tensor | None = None,
               ngram_context: torch.Tensor | None = None) -> torch.Tensor:
@@ -163,8 +132,8 @@ def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: i
     sequence) holds the tokens before each request's first token, so a chunk's ids
     equal those of the same tokens hashed within the whole sequence.
     """
-    R, starts = check_ngram_args(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc,
-                                 ngram_context)
+    R, starts = _checks.ngram_call(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc,
+                                   ngram_context)
     dev = input_ids.device
     N = params.multipliers.numel()
     T = input_ids.numel()

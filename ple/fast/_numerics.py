@@ -1,0 +1,122 @@
+"""Numerics shared by the kernels: bfloat16 rounding on the bits, the accumulation dtype, block sizes.
+
+* **bfloat16 rounding.** float32 -> bfloat16 is done on the bits, round to nearest even,
+  instead of ``.to(tl.bfloat16)``: the Triton interpreter's own cast truncates (and it
+  cannot do bfloat16 arithmetic), so the bit version gives the same bits on a GPU and
+  under the interpreter. The one NaN rule: **every NaN becomes the canonical quiet NaN
+  0x7FC0**, as PyTorch does on the CPU (so a NaN stays a NaN, its payload is dropped).
+  bfloat16 -> float32 is exact (a shift).
+* **Accumulation dtype.** ``acc_dtype`` (the reference's rule, re-exported):
+  ``torch.promote_types(dtype, float32)``, i.e. float32, or float64 for float64 inputs.
+  Kernels get it as the ``IS_FP64`` flag (`is_fp64`).
+* **Block sizes and tiles.** `pow2_block` (the next power of two, capped), `block_c` (channels
+  per conv program) and `tile_table` (the conv kernels' time tiles).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..reference.gate import acc_dtype
+
+__all__ = ["acc_dtype", "is_fp64", "pow2_block", "block_c", "tile_table", "TIME_BLOCK", "MAX_BLOCK_C",
+           "bf16_to_f32", "f32_to_bf16", "round_bf16", "up", "down",
+           "rnd", "convert", "silu"]
+
+
+def is_fp64(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` accumulates in float64 (``acc_dtype``), the kernels' ``IS_FP64`` flag."""
+    return acc_dtype(dtype) == torch.float64
+
+
+def pow2_block(n: int, cap: int) -> int:
+    """``next_power_of_2(max(n, 1))``, at most ``cap``."""
+    return min(cap, triton.next_power_of_2(max(n, 1)))
+
+
+@triton.jit
+def bf16_to_f32(x):
+    """Exact bfloat16 -> float32 on the bits."""
+    return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def f32_to_bf16(x):
+    """float32 -> bfloat16, round to nearest even on the bits; every NaN -> 0x7FC0."""
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = tl.where(x != x, 0x7FC0, rounded)
+    return rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def round_bf16(x):
+    """float32 ``x`` rounded to bfloat16 and back to float32."""
+    return bf16_to_f32(f32_to_bf16(x))
+
+
+@triton.jit
+def up(x, IS_SRC_BF16: tl.constexpr, IS_FP64: tl.constexpr):
+    """Exact upcast of a loaded value to the accumulation dtype (float32, or float64)."""
+    if IS_SRC_BF16:
+        x = bf16_to_f32(x)
+    if IS_FP64:
+        return x.to(tl.float64)
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
+def down(x, DT: tl.constexpr, IS_DT_BF16: tl.constexpr):
+    """Round a float32 / float64 value to ``DT`` (nearest even) for storing."""
+    if IS_DT_BF16:
+        return f32_to_bf16(x.to(tl.float32))
+    else:
+        return x.to(DT)
+
+
+@triton.jit
+def rnd(x, DT: tl.constexpr, IS_DT_BF16: tl.constexpr, IS_FP64: tl.constexpr):
+    """Round an accumulator value to ``DT`` and back: ``x.to(DT).to(acc)`` of the reference."""
+    if IS_DT_BF16:
+        return up(f32_to_bf16(x.to(tl.float32)), True, IS_FP64)
+    else:
+        return up(x.to(DT), False, IS_FP64)
+
+
+@triton.jit
+def convert(x, DT: tl.constexpr, IS_SRC_BF16: tl.constexpr, IS_DST_BF16: tl.constexpr):
+    """``x.to(DT)`` between storage dtypes (state <-> inputs)."""
+    if IS_SRC_BF16:
+        x = bf16_to_f32(x)
+    return down(x, DT, IS_DST_BF16)
+
+
+@triton.jit
+def silu(a):
+    return a * tl.sigmoid(a)
+
+
+# ---- tiles of the conv kernels (host side) --------------------------------------------------------
+
+TIME_BLOCK = 32          # rows per prefill / training time tile
+MAX_BLOCK_C = 128        # channels per conv program
+
+
+def block_c(C: int) -> int:
+    """Channels per conv program."""
+    return pow2_block(C, MAX_BLOCK_C)
+
+
+def tile_table(starts: list[int], block_t: int, device) -> torch.Tensor:
+    """``[num_tiles, 2]`` int32 rows ``(request, first position)`` of ``block_t``-row time tiles.
+
+    O(R + T / block_t) host work and one small copy to ``device``; empty requests get no tile.
+    """
+    flat: list[int] = []
+    for r in range(len(starts) - 1):
+        for t0 in range(0, starts[r + 1] - starts[r], block_t):
+            flat += (r, t0)
+    return torch.tensor(flat, dtype=torch.int32).view(-1, 2).to(device)
