@@ -19,7 +19,7 @@ one rounding. The reference (`reference_lookup`) dequantizes the whole table fir
 then looks up; both give the same bits.
 
 Error against the float table ``w`` (bounds asserted elementwise by `error_bound` in
-``tests/test_quant_offload.py``; measured there by ``test_error_report`` on a bfloat16
+``tests/test_quant.py``; measured there by ``test_error_report`` on a bfloat16
 normal(0, 1) table of 4096 rows of D = 160):
 
 * fp8 e4m3, per-tensor scale ``s``: in float32, ``|deq - w| <= 2**-4 * |w| + 2**-10 * s``

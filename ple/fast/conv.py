@@ -45,7 +45,7 @@ come from ``query_start_loc`` and the tile table.
 Interpreter note: per-request predicates (live slot, reads-history, ...) are built
 as vectors (``zeros + scalar``) rather than broadcast from scalar comparisons,
 which the Triton interpreter mis-types when they are combined into load masks.
-``tests/test_fast_conv.py`` also compiles every kernel ahead of time for sm_90, so
+``tests/fast/test_compile.py`` compiles every kernel ahead of time for sm_90, so
 code the interpreter accepts but the compiler rejects is caught without a GPU.
 
 Registered as ``torch.ops.ple.ple_conv`` and ``torch.ops.ple.export_conv_checkpoints``

@@ -497,7 +497,7 @@ def test_benchmark_smoke(tmp_path, monkeypatch):
     import pathlib
     import sys
 
-    bench = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
+    bench = pathlib.Path(__file__).resolve().parents[2] / "benchmarks"
     monkeypatch.syspath_prepend(str(bench))
     sys.modules.pop("bench_sequence_parallel", None)
     import bench_sequence_parallel

@@ -1,6 +1,5 @@
-"""``ple.fast`` conv ops against ``ple.reference`` (Triton kernels; the interpreter on a CPU).
-
-``conv`` (serving step) and ``training_conv`` (whole sequences) on both sides.
+"""``ple.fast.ple_conv`` and ``export_conv_checkpoints`` against ``ple.reference`` (Triton kernels;
+the interpreter on a CPU).
 
 Every test runs the reference and the kernels on identical copies of the same inputs and
 states. Outputs are judged with ``ple.testing.numerics.assert_close`` (bfloat16 against a
@@ -20,7 +19,7 @@ from ple import fast  # the public ops: torch.library custom ops over ple.fast.c
 from ple import reference as ref
 from ple.testing.numerics import assert_bitwise_equal, assert_close, assert_no_nan
 
-pytestmark = pytest.mark.interpreter
+pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("poisoned_empty")]
 
 NAN = float("nan")
 CHANNELS = [1, 5, 13, 40]
@@ -361,95 +360,6 @@ def test_checkpoint_restore_continues_bit_for_bit(C, K, d, extra, rest, dtype, s
     assert_bitwise_equal(state[2, :, :S], state[1, :, :S], name="state after restoring the checkpoint")
 
 
-# ---- dilated_causal_conv ----------------------------------------------------------------------------
-
-
-def _poisoned_empty(*args, **kwargs):
-    t = _real_empty(*args, **kwargs)
-    if t.dtype.is_floating_point:
-        t.fill_(NAN)
-    return t
-
-
-_real_empty = torch.empty
-
-
-@given(
-    kind=st.sampled_from(["dense", "packed", "single"]), C=st.sampled_from(CHANNELS), K=st.integers(1, 5),
-    d=st.integers(1, 4), B=st.integers(1, 2), L=st.sampled_from([1, 7, 40]),
-    lens=st.lists(st.sampled_from([0, 1, 5, 33]), min_size=1, max_size=4),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]), strided=st.booleans(),
-    seed=st.integers(0, 2**31 - 1),
-)
-def test_dilated_causal_conv_matches_reference(kind, C, K, d, B, L, lens, dtype, strided, seed):
-    note(dict(kind=kind, C=C, K=K, d=d, B=B, L=L, lens=lens, dtype=dtype, strided=strided, seed=seed))
-    g = torch.Generator().manual_seed(seed)
-    cu = None
-    if kind == "dense":
-        shape = (B, L, C)
-    elif kind == "packed":                                  # strided: cu_seqlens a column of a table
-        cu = _index([0] + torch.tensor(lens).cumsum(0).tolist(), torch.int32, strided)
-        shape = (sum(lens), C)
-    else:
-        shape = (L, C)
-    if strided:                                             # x a channel slice, weight conv1d.weight[:, 0, :]
-        x = _randn(shape[:-1] + (C + 2,), dtype, g)[..., 1:C + 1]
-        w = _randn((C, 1, K), dtype, g)[:, 0, :]
-        dy = _randn(shape[::-1], dtype, g).permute(*reversed(range(len(shape))))
-    else:
-        x = _randn(shape, dtype, g)
-        w = _randn((C, K), dtype, g)
-        dy = _randn(shape, dtype, g)
-
-    def run(op, x, w, dy, poison=False):
-        x = x.detach().clone().requires_grad_()
-        w = w.detach().clone().requires_grad_()
-        if poison:                                          # every buffer the kernels allocate starts NaN
-            torch.empty = _poisoned_empty
-        try:
-            y = op(x, w, dilation=d, cu_seqlens=cu)
-            y.backward(dy)
-        finally:
-            torch.empty = _real_empty
-        return y.detach(), x.grad, w.grad
-
-    got = run(fast.dilated_causal_conv, x, w, dy, poison=True)
-    want = run(ref.dilated_causal_conv, x, w, dy)
-    exact = [None] * 3
-    if dtype == torch.bfloat16:                             # the float64 run judges bfloat16
-        exact = run(ref.dilated_causal_conv, _to64(x), _to64(w), _to64(dy))
-    for name, a, b, e in zip(("y", "dx", "dweight"), got, want, exact, strict=True):
-        assert_no_nan(a, name=name)
-        assert_close(a, b, exact64=e, name=name)
-
-
-@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_dilated_causal_conv_reads_cu_seqlens_through_its_stride(dtype):
-    g = torch.Generator().manual_seed(3)
-    x = _randn((40, 5), torch.float32, g).requires_grad_()
-    w = _randn((5, 3), torch.float32, g).requires_grad_()
-    dy = _randn((40, 5), torch.float32, g)
-    cu = torch.tensor([0, 99, 3, -7, 3, 5, 37, 1000, 40], dtype=dtype)[::2]      # [0, 3, 3, 37, 40], stride 2
-    outs = []
-    for op in (ref.dilated_causal_conv, fast.dilated_causal_conv):
-        y = op(x, w, dilation=2, cu_seqlens=cu)
-        dx, dw = torch.autograd.grad(y, (x, w), dy)
-        outs.append((y, dx, dw))
-    for name, a, b in zip(("y", "dx", "dweight"), *outs, strict=True):
-        assert_close(a, b, name=name)
-
-
-def test_dilated_causal_conv_gradcheck():
-    g = torch.Generator().manual_seed(0)
-    w = _randn((2, 3), torch.float64, g).requires_grad_()
-    x = _randn((1, 6, 2), torch.float64, g).requires_grad_()
-    assert torch.autograd.gradcheck(lambda a, b: fast.dilated_causal_conv(a, b, dilation=2), (x, w),
-                                    fast_mode=True)
-    xp = _randn((7, 2), torch.float64, g).requires_grad_()
-    cu = torch.tensor([0, 3, 3, 7])
-    assert torch.autograd.gradcheck(lambda a, b: fast.dilated_causal_conv(a, b, dilation=1, cu_seqlens=cu),
-                                    (xp, w), fast_mode=True)
-
 
 # ---- errors -----------------------------------------------------------------------------------------
 
@@ -499,95 +409,3 @@ def test_export_errors_match_reference():
         fast.export_conv_checkpoints(x, state, **kw)
     assert str(e_fast.value) == str(e_ref.value)
     assert_bitwise_equal(state, before)
-
-
-def test_dilated_causal_conv_errors_match_reference():
-    cu, short = torch.tensor([0, 4]), torch.tensor([0, 3])
-    for args, kw in [((torch.randn(4, 3), torch.randn(2, 2)), dict(dilation=1)),
-                     ((torch.randn(4, 3), torch.randn(3, 2)), dict(dilation=0)),
-                     ((torch.randn(1, 4, 3), torch.randn(3, 2)), dict(dilation=1, cu_seqlens=cu)),
-                     ((torch.randn(4, 3), torch.randn(3, 2)), dict(dilation=1, cu_seqlens=short))]:
-        with pytest.raises((ValueError, TypeError)) as e_ref:
-            ref.dilated_causal_conv(*args, **kw)
-        with pytest.raises((ValueError, TypeError)) as e_fast:
-            fast.dilated_causal_conv(*args, **kw)
-        assert type(e_fast.value) is type(e_ref.value) and str(e_fast.value) == str(e_ref.value)
-
-
-# ---- the kernels compile for a GPU ------------------------------------------------------------------
-
-_AOT_SCRIPT = r'''
-import os, sys
-os.environ.pop("TRITON_INTERPRET", None)
-try:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from ple.fast import conv as F, training_conv as TC
-    ASTSource(F._export_kernel, {n: "i32" for n in F._export_kernel.arg_names})
-except Exception as e:  # no CUDA backend or another ahead-of-time API: nothing to check here
-    print(f"ahead-of-time compilation unavailable: {e!r}")
-    sys.exit(3)
-
-def build(kernel, ptrs, consts, floats=()):
-    sig = {n: "constexpr" if n in consts else "fp32" if n in floats else ptrs.get(n, "i32")
-           for n in kernel.arg_names}
-    triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
-
-step = dict(K=4, DILATION=3, HAS_TOKEN_INDICES=True, IS_X_BF16=True, IS_STATE_BF16=False,
-            IS_STATE_SAME_DTYPE=False, BLOCK_C=128)
-ptrs = dict(x_ptr="*bf16", res_ptr="*bf16", outer_ptr="*bf16", state_ptr="*fp32", w_ptr="*bf16",
-            slot_ptr="*i64", qsl_ptr="*i32", init_ptr="*u8", nat_ptr="*i32", rows_ptr="*i64",
-            tiles_ptr="*i32")
-for mode, block_t in ((F.PREFILL.value, 32), (F.DECODE.value, 1), (F.SPEC.value, 4)):
-    flags = dict(step, MODE=mode, HAS_INIT_FLAGS=mode != F.SPEC.value,
-                 IS_INIT_DEFAULT=int(mode != F.PREFILL.value))
-    build(F._step_out_kernel, ptrs,
-          dict(flags, HAS_OUTER_RESIDUAL=True, IS_W_BF16=True, IS_FP64=False, BLOCK_T=block_t))
-    build(F._step_state_kernel, ptrs, dict(flags, W_OUT=12 if mode == F.SPEC.value else 9))
-build(F._export_kernel, dict(x_ptr="*bf16", state_ptr="*fp32", qsl_ptr="*i32", off_ptr="*i64",
-                             slots_ptr="*i32", rows_ptr="*i32"),
-      dict(HAS_TOKEN_INDICES=True, IS_X_BF16=True, IS_STATE_BF16=False, IS_STATE_SAME_DTYPE=False, BLOCK_C=128))
-for dt, acc, varlen in (("*bf16", "*fp32", True), ("*fp64", "*fp64", False)):
-    flags = dict(K=4, DILATION=3, IS_VARLEN=varlen, IS_X_BF16=dt == "*bf16", IS_W_BF16=False,
-                 IS_FP64=dt == "*fp64", BLOCK_T=32, BLOCK_C=128)
-    p = dict(x_ptr=dt, w_ptr="*fp32", y_ptr=dt, dy_ptr=dt, g_ptr=dt, dx_ptr=dt, dw_ptr=acc, cu_ptr="*i32",
-             tiles_ptr="*i32")
-    build(TC._dcc_fwd_kernel, p, flags)
-    build(TC._dcc_bwd_gw_kernel, p, flags)
-    build(TC._dcc_bwd_dx_kernel, p, flags)
-# The other parts' kernels too (they share the bfloat16 rounding of ple.fast._numerics).
-from ple.fast import embedding as E, gate as G, hashing as H
-scalars = ("eps_hi", "eps_lo", "sqrt_h")
-for kernel in (G._gate_fwd_kernel, G._gate_bwd_kernel):
-    p = {n: "*bf16" for n in kernel.arg_names if n.endswith("_ptr")}
-    p.update(dv_ptr="*fp32", dw_ptr="*fp32")
-    build(kernel, p, dict(IS_FP64=False, IS_BF16=True, IS_FP16=False, BLOCK_H=128), floats=scalars)
-build(H._ngram_kernel, dict(ids_ptr="*i32", qsl_ptr="*i32", ctx_ptr="*i64", mult_ptr="*i64", sizes_ptr="*i64",
-                            offsets_ptr="*i64", out_ptr="*i64", w_ptr="*bf16", emb_ptr="*bf16"),
-      dict(N=3, P=8, IS_VARLEN=True, HAS_CONTEXT=True, HAS_IDS_OUT=True, HAS_TABLE=True, BLOCK_T=64, BLOCK_D=128))
-build(E._lookup_fwd_kernel, dict(w_ptr="*bf16", ids_ptr="*i64", out_ptr="*bf16"), dict(BLOCK_T=32, BLOCK_D=128))
-build(E._lookup_bwd_kernel, dict(g_ptr="*bf16", ids_ptr="*i64", dw_ptr="*fp32"),
-      dict(IS_FP64=False, BLOCK_T=32, BLOCK_D=128))
-print("compiled")
-'''
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests compile the kernels")
-def test_kernels_compile_for_sm90():
-    """Ahead-of-time compile every kernel to a Hopper cubin (no GPU needed): code the interpreter runs
-    but the compiler rejects (types, constexpr handling, lowering) fails here."""
-    import os
-    import pathlib
-    import subprocess
-    import sys
-
-    root = pathlib.Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    proc = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True, env=env,
-                          cwd=root, timeout=600)
-    if proc.returncode == 3:
-        pytest.skip(proc.stdout.strip())
-    assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stdout + proc.stderr

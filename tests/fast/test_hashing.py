@@ -1,0 +1,159 @@
+"""``ple.fast.ngram_ids`` and the fused ``ngram_embedding`` against ``ple.reference``.
+
+Every test runs Triton kernels (compiled on a GPU, under ``TRITON_INTERPRET=1`` on the CPU), so
+shapes are small; fresh buffers are poisoned (the ``poisoned_empty`` fixture of ``tests/conftest.py``)
+so an element a kernel never writes shows up as a mismatch.
+
+* ``ngram_ids``: equal to the reference exactly (N 2..5, P 1..4, EOS-heavy streams, varlen cuts with
+  empty requests, contexts, int32/int64 index tensors, strided ids and index tensors).
+* ``ngram_embedding`` (fused hash + gather): equal bit for bit to ``embedding_lookup(weight, ngram_ids(...))``;
+  its table gradient equals the lookup's.
+"""
+
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+from ple import PLEConfig
+from ple import reference as ref
+from ple.fast import ngram_embedding
+from ple.fast import ngram_ids as fast_ngram_ids
+from ple.testing.numerics import assert_bitwise_equal
+
+pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("poisoned_empty")]
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ---- n-gram ids -------------------------------------------------------------------------------------
+@st.composite
+def hash_cases(draw):
+    """A hash config and a varlen batch of EOS-heavy token streams."""
+    N = draw(st.integers(2, 5))
+    P = draw(st.integers(1, 4))
+    V = draw(st.sampled_from([3, 17, 200, 248320]))       # 248320: the real vocab, products near 2**63
+    eos = draw(st.integers(0, V - 1))
+    # A few distinct ids plus EOS make windows collide and EOS cuts frequent.
+    alphabet = draw(st.lists(st.integers(0, V - 1), min_size=1, max_size=4)) + [eos, eos]
+    token = st.sampled_from(alphabet)
+    varlen = draw(st.booleans())
+    R = draw(st.integers(0, 4)) if varlen else 1
+    lens = draw(st.lists(st.integers(0, 7), min_size=R, max_size=R)) if varlen else [draw(st.integers(1, 9))]
+    tokens = draw(st.lists(token, min_size=sum(lens), max_size=sum(lens)))
+    ctx = draw(st.none() | st.lists(st.lists(token, min_size=N - 1, max_size=N - 1), min_size=R, max_size=R))
+    config = PLEConfig(
+        vocab_size=V, hidden_size=1, hc_count=1, ple_embed_dim=(N - 1) * P, ngram_size=N, heads_per_ngram=P,
+        ngram_vocab_size_base=draw(st.integers(2, 400)), make_ngram_vocab_size_divisible_by=8,
+        seed=draw(st.integers(0, 2**32)), eos_token_id=eos, ple_layer_ids=(1, 2, 3),
+    )
+    layer = draw(st.integers(0, 2))
+    ids_dtype, qsl_dtype, ctx_dtype = (draw(st.sampled_from(INDEX_DTYPES)) for _ in range(3))
+    strided = draw(st.booleans())
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    input_ids = torch.tensor(tokens, dtype=ids_dtype)
+    if strided:                                           # a stride-2 view of a larger buffer
+        buf = torch.full((2 * len(tokens),), V + 5, dtype=ids_dtype)
+        buf[::2] = input_ids
+        input_ids = buf[::2]
+    kwargs = dict(heads_per_ngram=P, eos_token_id=eos)
+    if varlen:                                            # strided: every other entry of a larger buffer
+        qsl = torch.tensor(starts, dtype=qsl_dtype)
+        kwargs["query_start_loc"] = torch.stack([qsl, qsl + 1000], 1)[:, 0] if strided else qsl
+    if ctx is not None:
+        context = torch.tensor(ctx, dtype=ctx_dtype).reshape(R, N - 1)
+        kwargs["ngram_context"] = torch.cat([context, context], 1)[:, ::2] if strided else context
+    note(f"N={N} P={P} V={V} eos={eos} lens={lens} tokens={tokens} ctx={ctx} layer={layer} "
+         f"dtypes={ids_dtype, qsl_dtype, ctx_dtype} strided={strided}")
+    return ref.hash_params(config, layer), input_ids, kwargs
+
+
+@given(hash_cases())
+def test_ngram_ids_equal_reference(case):
+    params, input_ids, kwargs = case
+    expected = ref.ngram_ids(input_ids, params, **kwargs)
+    actual = fast_ngram_ids(input_ids, params, **kwargs)
+    assert actual.dtype == torch.int64
+    assert torch.equal(actual, expected), (actual, expected)
+
+
+@pytest.mark.parametrize("dtype", INDEX_DTYPES)
+def test_ngram_ids_read_index_tensors_through_their_strides(dtype):
+    params, kw = _hash_setup()
+    tokens = torch.tensor([5, 1, 7, 7, 3, 0, 2, 9, 4, 1, 8, 6], dtype=dtype)
+    strided_tokens = torch.stack([tokens, tokens + 500], 1)[:, 0]                 # stride 2
+    qsl = torch.tensor([0, 50, 2, 60, 2, 70, 7, 80, 12, 90], dtype=dtype)[::2]     # [0, 2, 2, 7, 12], stride 2
+    ctx = torch.arange(24, dtype=dtype).reshape(4, 6)[:, 1:5:2] % 10                # [4, 2], strides (6, 2)
+    table = torch.randn(params.num_rows, 2, generator=_gen(0))
+    for k in ({}, dict(ngram_context=ctx)):
+        want = ref.ngram_ids(tokens, params, query_start_loc=qsl.contiguous(), **kw,
+                             **{n: v.contiguous() for n, v in k.items()})
+        assert torch.equal(fast_ngram_ids(strided_tokens, params, query_start_loc=qsl, **kw, **k), want)
+        emb = ngram_embedding(table, strided_tokens, params, query_start_loc=qsl, **kw, **k)
+        assert torch.equal(emb, ref.embedding_lookup(table, want))
+
+
+def test_ngram_ids_no_requests():
+    """``query_start_loc = [0]``: no requests, no tokens."""
+    params, kw = _hash_setup()
+    for dt in INDEX_DTYPES:
+        args = (torch.zeros(0, dtype=dt), params)
+        kw.update(query_start_loc=torch.zeros(1, dtype=dt), ngram_context=torch.zeros(0, 2, dtype=dt))
+        out = fast_ngram_ids(*args, **kw)
+        assert out.shape == (0, params.head_sizes.numel()) and out.dtype == torch.int64
+        assert torch.equal(out, ref.ngram_ids(*args, **kw))
+
+
+def test_ngram_ids_spec_example():
+    """SPEC section 3's example: eos 99, tokens [4, 5, 99, 6], N 3 (windows checked via the reference)."""
+    config = PLEConfig(vocab_size=100, hidden_size=1, hc_count=1, ple_embed_dim=4, ngram_size=3,
+                       heads_per_ngram=2, ngram_vocab_size_base=100, eos_token_id=99)
+    params = ref.hash_params(config, 0)
+    x = torch.tensor([4, 5, 99, 6])
+    kw = dict(heads_per_ngram=2, eos_token_id=99)
+    assert torch.equal(fast_ngram_ids(x, params, **kw), ref.ngram_ids(x, params, **kw))
+    # Chunked with contexts equals whole.
+    whole = fast_ngram_ids(x, params, **kw)
+    tail = fast_ngram_ids(x[2:], params, query_start_loc=torch.tensor([0, 2], dtype=torch.int32),
+                          ngram_context=x[None, :2], **kw)
+    assert torch.equal(tail, whole[2:])
+
+
+@given(hash_cases(), st.integers(1, 5), st.sampled_from([torch.float32, torch.bfloat16]),
+       st.integers(0, 2**31 - 1))
+def test_ngram_embedding_fused_equals_lookup(case, D, dtype, seed):
+    params, input_ids, kwargs = case
+    weight = torch.randn(params.num_rows, D, generator=_gen(seed)).to(dtype).requires_grad_()
+    ids = ref.ngram_ids(input_ids, params, **kwargs)
+    expected = ref.embedding_lookup(weight, ids)
+    actual = ngram_embedding(weight, input_ids, params, **kwargs)
+    assert_bitwise_equal(actual.detach(), expected.detach(), name="ngram_embedding")
+    grad = torch.randint(-3, 4, expected.shape, generator=_gen(seed + 1)).to(dtype)   # sums exact
+    (g_exp,) = torch.autograd.grad(expected, weight, grad)
+    (g_act,) = torch.autograd.grad(actual, weight, grad)
+    assert_bitwise_equal(g_act, g_exp, name="ngram_embedding grad")
+    # Without a gradient the ids are not written; the values are the same.
+    assert_bitwise_equal(ngram_embedding(weight.detach(), input_ids, params, **kwargs), expected.detach())
+
+
+
+def _hash_setup():
+    config = PLEConfig.preset("tiny")
+    return ref.hash_params(config, 0), dict(heads_per_ngram=config.heads_per_ngram,
+                                            eos_token_id=config.eos_token_id)
+
+
+
+def test_ngram_embedding_table_too_small():
+    params, kw = _hash_setup()
+    with pytest.raises(ValueError, match="weight"):
+        ngram_embedding(torch.zeros(10, 2), torch.tensor([1, 2]), params, **kw)

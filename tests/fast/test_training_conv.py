@@ -1,0 +1,132 @@
+"""``ple.fast.dilated_causal_conv`` (forward and backward) against ``ple.reference``.
+
+Every test runs the reference and the kernels on identical copies of the same inputs and
+states. Outputs are judged with ``ple.testing.numerics.assert_close`` (bfloat16 against a
+float64 run of the reference), states bit for bit. Buffers are poisoned with NaN wherever
+a correct kernel must not read, so a stray read shows up as NaN in an output, and where
+it must write, so a missed write shows up as a NaN left behind.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+from ple import fast  # the public ops: torch.library custom ops over ple.fast.conv / training_conv
+from ple import reference as ref
+from ple.testing.numerics import assert_close, assert_no_nan
+
+pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("poisoned_empty")]
+
+NAN = float("nan")
+CHANNELS = [1, 5, 13, 40]
+
+
+def _randn(shape, dtype, g):
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _to64(t):
+    return None if t is None else t.to(torch.float64)
+
+
+def _index(values, dtype, column):
+    """An index tensor, possibly a column of a 2-D table (non-unit stride)."""
+    t = torch.tensor(values, dtype=dtype)
+    if column:
+        t = torch.stack([t, torch.full_like(t, 12345)], 1)[:, 0]
+    return t
+
+
+
+# ---- dilated_causal_conv ----------------------------------------------------------------------------
+
+
+
+
+@given(
+    kind=st.sampled_from(["dense", "packed", "single"]), C=st.sampled_from(CHANNELS), K=st.integers(1, 5),
+    d=st.integers(1, 4), B=st.integers(1, 2), L=st.sampled_from([1, 7, 40]),
+    lens=st.lists(st.sampled_from([0, 1, 5, 33]), min_size=1, max_size=4),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]), strided=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_dilated_causal_conv_matches_reference(kind, C, K, d, B, L, lens, dtype, strided, seed):
+    note(dict(kind=kind, C=C, K=K, d=d, B=B, L=L, lens=lens, dtype=dtype, strided=strided, seed=seed))
+    g = torch.Generator().manual_seed(seed)
+    cu = None
+    if kind == "dense":
+        shape = (B, L, C)
+    elif kind == "packed":                                  # strided: cu_seqlens a column of a table
+        cu = _index([0] + torch.tensor(lens).cumsum(0).tolist(), torch.int32, strided)
+        shape = (sum(lens), C)
+    else:
+        shape = (L, C)
+    if strided:                                             # x a channel slice, weight conv1d.weight[:, 0, :]
+        x = _randn(shape[:-1] + (C + 2,), dtype, g)[..., 1:C + 1]
+        w = _randn((C, 1, K), dtype, g)[:, 0, :]
+        dy = _randn(shape[::-1], dtype, g).permute(*reversed(range(len(shape))))
+    else:
+        x = _randn(shape, dtype, g)
+        w = _randn((C, K), dtype, g)
+        dy = _randn(shape, dtype, g)
+
+    def run(op, x, w, dy):                                  # every buffer allocated starts NaN (poisoned_empty)
+        x = x.detach().clone().requires_grad_()
+        w = w.detach().clone().requires_grad_()
+        y = op(x, w, dilation=d, cu_seqlens=cu)
+        y.backward(dy)
+        return y.detach(), x.grad, w.grad
+
+    got = run(fast.dilated_causal_conv, x, w, dy)
+    want = run(ref.dilated_causal_conv, x, w, dy)
+    exact = [None] * 3
+    if dtype == torch.bfloat16:                             # the float64 run judges bfloat16
+        exact = run(ref.dilated_causal_conv, _to64(x), _to64(w), _to64(dy))
+    for name, a, b, e in zip(("y", "dx", "dweight"), got, want, exact, strict=True):
+        assert_no_nan(a, name=name)
+        assert_close(a, b, exact64=e, name=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_dilated_causal_conv_reads_cu_seqlens_through_its_stride(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = _randn((40, 5), torch.float32, g).requires_grad_()
+    w = _randn((5, 3), torch.float32, g).requires_grad_()
+    dy = _randn((40, 5), torch.float32, g)
+    cu = torch.tensor([0, 99, 3, -7, 3, 5, 37, 1000, 40], dtype=dtype)[::2]      # [0, 3, 3, 37, 40], stride 2
+    outs = []
+    for op in (ref.dilated_causal_conv, fast.dilated_causal_conv):
+        y = op(x, w, dilation=2, cu_seqlens=cu)
+        dx, dw = torch.autograd.grad(y, (x, w), dy)
+        outs.append((y, dx, dw))
+    for name, a, b in zip(("y", "dx", "dweight"), *outs, strict=True):
+        assert_close(a, b, name=name)
+
+
+def test_dilated_causal_conv_gradcheck():
+    g = torch.Generator().manual_seed(0)
+    w = _randn((2, 3), torch.float64, g).requires_grad_()
+    x = _randn((1, 6, 2), torch.float64, g).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: fast.dilated_causal_conv(a, b, dilation=2), (x, w),
+                                    fast_mode=True)
+    xp = _randn((7, 2), torch.float64, g).requires_grad_()
+    cu = torch.tensor([0, 3, 3, 7])
+    assert torch.autograd.gradcheck(lambda a, b: fast.dilated_causal_conv(a, b, dilation=1, cu_seqlens=cu),
+                                    (xp, w), fast_mode=True)
+
+
+
+def test_dilated_causal_conv_errors_match_reference():
+    cu, short = torch.tensor([0, 4]), torch.tensor([0, 3])
+    for args, kw in [((torch.randn(4, 3), torch.randn(2, 2)), dict(dilation=1)),
+                     ((torch.randn(4, 3), torch.randn(3, 2)), dict(dilation=0)),
+                     ((torch.randn(1, 4, 3), torch.randn(3, 2)), dict(dilation=1, cu_seqlens=cu)),
+                     ((torch.randn(4, 3), torch.randn(3, 2)), dict(dilation=1, cu_seqlens=short))]:
+        with pytest.raises((ValueError, TypeError)) as e_ref:
+            ref.dilated_causal_conv(*args, **kw)
+        with pytest.raises((ValueError, TypeError)) as e_fast:
+            fast.dilated_causal_conv(*args, **kw)
+        assert type(e_fast.value) is type(e_ref.value) and str(e_fast.value) == str(e_ref.value)
