@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import pathlib
+import subprocess
+import sys
 
 import ple.__main__ as cli
 
@@ -33,3 +35,12 @@ def test_train_tiny_ple_beats_its_no_ple_twin(capsys):
     losses = {line.split(":")[0].strip(): float(line.split("->")[1].split()[0])
               for line in out.splitlines() if "->" in line}
     assert losses["with PLE"] < losses["without PLE"] - 0.5
+
+
+def test_readme_tour_runs_as_pasted():
+    """The README's tour is the first ``python`` block; pasted into a fresh interpreter it must run."""
+    text = (ROOT / "README.md").read_text()
+    start = text.index("```python\n") + len("```python\n")
+    code = text[start:text.index("```", start)]
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stderr

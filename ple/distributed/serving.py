@@ -62,17 +62,20 @@ def sp_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLECach
         raise ValueError(f"hidden_states: rank {k} holds rows [{lo}, {hi}) of the step, expected {hi - lo} "
                          f"rows, got {hidden_states.shape[0]}")
     check_same_config(layer.config, cache.config)
+    if batch.pad_to is not None:
+        raise ValueError("batch: a padded plan (schedule(pad_to=...)) is for layer.step; sp_step splits the "
+                         "real rows of an unpadded one")
     _checks.tensor("hidden_states", hidden_states, device=cache.device)
 
     cfg = layer.config
     ops = layer.ops
     N1 = cfg.context_len
-    starts = _checks.host_list(batch.query_start_loc)
+    starts = batch.host.query_start_loc
     frags = fragments(starts, lo, hi)
     local_starts = _cumsum(b - a for _, a, b in frags)
 
     # n-gram ids of the local rows: a piece that continues a request hashes with the tokens before it.
-    contexts = batch.ngram_context.tolist()
+    contexts = batch.host.ngram_context
     ctx = [(contexts[r] + batch.tokens_host[r][: a - starts[r]])[-N1:] for r, a, _ in frags]
     ids = local_ngram_ids(layer, batch.input_ids[lo:hi], local_starts, ctx)
     counts = [bounds[r + 1] - bounds[r] for r in range(W)]
@@ -107,11 +110,9 @@ class _Requests:
     """Host view of a batch's requests in caller order: mode, slot, history window, checkpoint."""
 
     def __init__(self, batch: StepBatch):
-        acc = _checks.host_list(batch.num_accepted_tokens)
-        init_d = batch.has_initial_states_d.tolist()
-        init_p = batch.has_initial_states_p.tolist()
-        ck_off = _checks.host_list(batch.checkpoint_offsets)
-        ck_slot = _checks.host_list(batch.checkpoint_slots)
+        host = batch.host                                # the plan's host twins: nothing read back
+        acc, init_d, init_p = host.num_accepted_tokens, host.has_initial_states_d, host.has_initial_states_p
+        ck_off, ck_slot = host.checkpoint_offsets, host.checkpoint_slots
         self.mode, self.slot, self.offset, self.has_initial, self.checkpoint = [], [], [], [], []
         js = jd = jp = 0
         for item in batch.items:

@@ -29,14 +29,13 @@ import torch
 
 from .. import _checks
 from ..config import PLEConfig
-from .batch import StepBatch
+from .batch import StepBatch, build_plan
 from .items import Decode, Prefill, Spec, as_token_list
 from .persist import load_cache, save_cache
 
 __all__ = ["PLECache", "StepBatch", "LAYOUTS"]
 
 LAYOUTS = ("channels_first", "channels_last")
-_INDEX = torch.int32  # index tensors of a batch, as serving engines keep them
 
 
 @dataclass
@@ -60,15 +59,17 @@ class PLECache:
     default ``layout="channels_first"``, or ``[num_layers, num_slots, W, C]`` with
     ``layout="channels_last"``; ``conv_state(i)`` is always the ``[num_slots, C, W]``
     view the ops take. ``dtype`` defaults to the torch default dtype; inputs are
-    stored in it.
+    stored in it. ``num_layers`` defaults to the config's PLE layer count (a cache for
+    fewer layers serves PLE indices ``0..num_layers-1``; more is a ``ValueError``).
     """
 
-    def __init__(self, config: PLEConfig, num_slots: int, *, num_spec_tokens: int = 0, num_layers: int = 1,
-                 dtype: torch.dtype | None = None, device=None, layout: str = "channels_first"):
+    def __init__(self, config: PLEConfig, num_slots: int, *, num_spec_tokens: int = 0,
+                 num_layers: int | None = None, dtype: torch.dtype | None = None, device=None, layout: str = "channels_first"):
         if not isinstance(config, PLEConfig):
             raise TypeError(f"config: expected a PLEConfig, got {type(config).__name__}")
         _checks.int_arg("num_slots", num_slots, minimum=2)
         _checks.int_arg("num_spec_tokens", num_spec_tokens, minimum=0)
+        num_layers = config.num_ple_layers if num_layers is None else num_layers
         _checks.int_arg("num_layers", num_layers, minimum=1)
         if num_layers > config.num_ple_layers:
             raise ValueError(f"num_layers: the config has {config.num_ple_layers} PLE layer(s) "
@@ -95,6 +96,8 @@ class PLECache:
         self._version = 0                    # bumped by every change a batch depends on
         self._generations = [0] * num_slots  # per slot: bumped by allocate, free, accept, fork
         self._last_change = "nothing"
+        self._pad_buffers: dict = {}         # pad_to shape -> the persistent metadata buffer
+        self._pad_generations: dict = {}     # ... and how many plans have used it
         self._in_flight: StepBatch | None = None
 
     # ---- views ---------------------------------------------------------------------------------
@@ -222,13 +225,22 @@ class PLECache:
         return (list(context) + list(tokens))[-n:]
 
     # ---- scheduling ----------------------------------------------------------------------------
-    def schedule(self, items) -> StepBatch:
-        """Build the `StepBatch` for one step from ``Prefill``/``Decode``/``Spec`` items, in row order.
+    def schedule(self, items, *, pad_to: int | None = None) -> StepBatch:
+        """The plan (`StepBatch`) of one step from ``Prefill``/``Decode``/``Spec`` items, in row order.
 
-        Raises ``ValueError``/``TypeError`` (and changes nothing) for a freed or unknown
-        slot, a slot twice in one step, a spec step longer than ``num_spec_tokens + 1``,
-        a decode or spec before any prefill, token ids outside ``[0, vocab_size)``, or a
-        bad checkpoint request.
+        Everything is validated here, on the host, where the items already are: a freed or
+        unknown slot, a slot twice in one step, a spec step longer than ``num_spec_tokens +
+        1``, a decode or spec before any prefill, token ids outside ``[0, vocab_size)``, or a
+        bad checkpoint request raise ``ValueError``/``TypeError`` and change nothing. The
+        plan's metadata reaches the device in one copy, so ``layer.step`` reads nothing back.
+
+        ``pad_to=N``: pad a decode-only batch, or a spec batch whose requests all have
+        ``num_spec_tokens + 1`` tokens, to ``N`` requests with null-slot rows, in a metadata
+        buffer the cache keeps for that shape, so every such plan uses the same device
+        tensors (CUDA-graph capture; see ``ple.state.batch``). The caller passes hidden
+        states for all ``batch.num_tokens`` rows; the padding rows get no conv term.
+        Scheduling again with the same ``pad_to`` reuses the buffer and makes the earlier
+        plan stale.
         """
         self._not_in_flight("schedule")
         if not isinstance(items, (list, tuple)):
@@ -275,73 +287,20 @@ class PLECache:
             parsed.append((item, tokens))
         if not parsed:
             raise ValueError("items: a step needs at least one item")
-        return self._build(parsed)
+        if pad_to is not None:
+            self._check_padding(parsed, pad_to)
+        return build_plan(self, parsed, pad_to)
 
-    def _build(self, parsed) -> StepBatch:
-        dev = self.device
-        N1 = self.config.context_len
-        S = self.state_len
-
-        def idx(values):
-            return torch.tensor(values, dtype=_INDEX, device=dev)
-
-        def cumsum(lengths):
-            out = [0]
-            for n in lengths:
-                out.append(out[-1] + n)
-            return out
-
-        lengths = [len(t) for _, t in parsed]
-        starts = cumsum(lengths)
-        tokens_flat = [tok for _, t in parsed for tok in t]
-        contexts = [self._slots[item.slot].context for item, _ in parsed]
-
-        spec = [(r, item, t) for r, (item, t) in enumerate(parsed) if isinstance(item, Spec)]
-        dec = [(r, item, t) for r, (item, t) in enumerate(parsed) if isinstance(item, Decode)]
-        pre = [(r, item, t) for r, (item, t) in enumerate(parsed) if isinstance(item, Prefill)]
-
-        def rows_of(group):
-            return [i for r, _, t in group for i in range(starts[r], starts[r] + len(t))]
-
-        realign = []
-        for _, item, _ in dec + pre:
-            s = self._slots[item.slot]
-            if s.num_accepted > 1:
-                realign.append((item.slot, s.num_accepted - 1))
-
-        return StepBatch(
-            num_tokens=starts[-1],
-            input_ids=torch.tensor(tokens_flat, dtype=torch.int64, device=dev),
-            query_start_loc=idx(starts),
-            ngram_context=torch.tensor(contexts, dtype=torch.int64, device=dev).reshape(len(parsed), N1),
-            num_spec_decodes=len(spec),
-            num_spec_tokens=sum(len(t) for _, _, t in spec),
-            spec_token_indices=idx(rows_of(spec)),
-            spec_query_start_loc=idx(cumsum(len(t) for _, _, t in spec)),
-            spec_state_indices=idx([item.slot for _, item, _ in spec]),
-            num_accepted_tokens=idx([self._slots[item.slot].num_accepted for _, item, _ in spec]),
-            spec_query_len=self.num_spec_tokens + 1,
-            num_decodes=len(dec),
-            num_decode_tokens=len(dec),
-            num_prefills=len(pre),
-            num_prefill_tokens=sum(len(t) for _, _, t in pre),
-            non_spec_token_indices=idx(rows_of(dec) + rows_of(pre)),
-            state_indices=idx([item.slot for _, item, _ in dec + pre]),
-            has_initial_states_d=torch.ones(len(dec), dtype=torch.bool, device=dev),
-            has_initial_states_p=torch.tensor([self._slots[item.slot].started for _, item, _ in pre],
-                                              dtype=torch.bool, device=dev),
-            query_start_loc_p=idx(cumsum(len(t) for _, _, t in pre)),
-            non_spec_query_start_loc=idx(cumsum([1] * len(dec) + [len(t) for _, _, t in pre])),
-            checkpoint_offsets=idx([item.checkpoint_at or 0 for _, item, _ in pre]),
-            checkpoint_slots=idx([item.checkpoint_slot or self.null_slot for _, item, _ in pre]),
-            has_checkpoints=any(item.checkpoint_at for _, item, _ in pre) and S > 0,
-            realign=realign,
-            items=[item for item, _ in parsed],
-            tokens_host=[t for _, t in parsed],
-            version=self._version,
-            owner=self._identity,
-            slot_generations={item.slot: self._generations[item.slot] for item, _ in parsed},
-        )
+    def _check_padding(self, parsed, pad_to) -> None:
+        _checks.int_arg("pad_to", pad_to, minimum=1)
+        kinds = {type(item).__name__ for item, _ in parsed}
+        q = self.num_spec_tokens + 1
+        if kinds == {"Spec"} and any(len(t) != q for _, t in parsed):
+            raise ValueError(f"pad_to: a padded spec batch needs num_spec_tokens + 1 = {q} tokens per request")
+        if kinds not in ({"Decode"}, {"Spec"}):
+            raise ValueError(f"pad_to: only decode-only or spec-only batches are padded, got {sorted(kinds)}")
+        if len(parsed) > pad_to:
+            raise ValueError(f"pad_to: the batch has {len(parsed)} requests, more than pad_to={pad_to}")
 
     # ---- called by PLELayer.step ---------------------------------------------------------------
     def begin_layer(self, batch: StepBatch, layer: int) -> None:
@@ -351,6 +310,8 @@ class PLECache:
         if batch.owner is not self._identity:
             raise ValueError("batch: it was scheduled by another PLECache; a batch runs only on the cache "
                              "that scheduled it")
+        if batch.pad_key is not None and self._pad_generations.get(batch.pad_key) != batch.buffer_generation:
+            raise ValueError(f"batch: stale; a later schedule(pad_to={batch.pad_to}) reused its metadata buffer")
         if batch.version != self._version:
             moved = [s for s, g in batch.slot_generations.items() if self._generations[s] != g]
             why = (f"slot(s) {moved} of the batch changed (allocated, freed, accepted or forked)" if moved

@@ -111,7 +111,7 @@ def test_schedule_property_with_triton_backend(config, data, seed, layout):
 def test_step_matches_reference_step_bit_for_bit_in_states():
     config = ple.PLEConfig.preset("tiny")
     fast, ref = twin_layers(config, 1)
-    caches = [PLECache(config, 4, num_spec_tokens=2) for _ in range(2)]
+    caches = [PLECache(config, 4, num_spec_tokens=2, num_layers=1) for _ in range(2)]
     g = torch.Generator().manual_seed(2)
     outs = [[], []]
     steps = [lambda a, b: [Prefill(a, list(range(3, 15))), Prefill(b, [4, 5])],
@@ -149,7 +149,7 @@ def test_torch_compile_traces_forward_and_step_without_graph_breaks():
     assert_close(y, y_eager)
     assert_close(gx, gx_eager)
 
-    caches = [PLECache(config, 4, num_spec_tokens=2) for _ in range(2)]
+    caches = [PLECache(config, 4, num_spec_tokens=2, num_layers=1) for _ in range(2)]
     step = torch.compile(layer.step, fullgraph=True)
     h1 = torch.randn(6, config.hc_hidden_size, generator=g)
     h2 = torch.randn(4, config.hc_hidden_size, generator=g)

@@ -63,7 +63,7 @@ def test_permuted_rows_give_permuted_outputs():
     g = torch.Generator().manual_seed(1)
 
     def run(order):
-        cache = PLECache(config, 5, num_spec_tokens=2)
+        cache = PLECache(config, 5, num_spec_tokens=2, num_layers=1)
         slots = [cache.allocate() for _ in range(3)]
         warm = cache.schedule([Prefill(slots[0], list(range(10, 21))), Prefill(slots[1], [3, 4, 5]),
                                Prefill(slots[2], [7])])
@@ -90,11 +90,11 @@ def test_slot_reuse_is_isolated():
     layer, = make_layers(config, 1, 3)
     C = config.hc_hidden_size
     h = torch.randn(6, C, generator=torch.Generator().manual_seed(4))
-    fresh = PLECache(config, 3, num_spec_tokens=2)
+    fresh = PLECache(config, 3, num_spec_tokens=2, num_layers=1)
     s = fresh.allocate()
     expected = layer.step(h, fresh.schedule([Prefill(s, [5, 6, 7, 8, 9, 10])]), fresh)
 
-    used = PLECache(config, 2, num_spec_tokens=2)          # one usable slot: reuse is forced
+    used = PLECache(config, 2, num_spec_tokens=2, num_layers=1)          # one usable slot: reuse is forced
     s = used.allocate()
     b = used.schedule([Prefill(s, [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21])])
     layer.step(torch.randn(11, C), b, used)
@@ -162,7 +162,7 @@ def test_save_and_load_are_exact(tmp_path, layout):
     script = random_script(random.Random(3), vocab_size=config.vocab_size, eos_token_id=config.eos_token_id,
                            num_requests=4, num_spec_tokens=2, max_generate=10)
     half = len(script) // 2
-    cache = PLECache(config, 4, num_spec_tokens=2, layout=layout)
+    cache = PLECache(config, 4, num_spec_tokens=2, layout=layout, num_layers=1)
     replay([layer], cache, script[:half], generator=torch.Generator().manual_seed(0), check_states=False)
     path = tmp_path / "cache.safetensors"
     cache.save(path)
@@ -191,7 +191,7 @@ def test_load_rejects_foreign_file(tmp_path):
 
 
 def _warm_cache(config, layer):
-    cache = PLECache(config, 4, num_spec_tokens=2)
+    cache = PLECache(config, 4, num_spec_tokens=2, num_layers=1)
     a, b = cache.allocate(), cache.allocate()
     layer.step(torch.randn(5, config.hc_hidden_size), cache.schedule([Prefill(a, [1, 2, 3]), Prefill(b, [4, 5])]),
                cache)
@@ -230,7 +230,7 @@ def test_invalid_schedules_leave_the_cache_unchanged(make_items, error, match):
 
 def test_decode_or_spec_before_prefill_is_an_error():
     config = ple.PLEConfig.preset("tiny")
-    cache = PLECache(config, 3, num_spec_tokens=1)
+    cache = PLECache(config, 3, num_spec_tokens=1, num_layers=1)
     s = cache.allocate()
     snap = snapshot(cache)
     for item in (Decode(s, 1), Spec(s, [1, 2])):
@@ -258,7 +258,7 @@ def test_accept_errors_leave_the_cache_unchanged():
 
 def test_slot_table_errors():
     config = ple.PLEConfig.preset("tiny")
-    cache = PLECache(config, 3)
+    cache = PLECache(config, 3, num_layers=1)
     a, b = cache.allocate(), cache.allocate()
     assert {a, b} == {1, 2}
     with pytest.raises(RuntimeError, match="full"):
@@ -271,7 +271,7 @@ def test_slot_table_errors():
     with pytest.raises(ValueError, match="null slot"):
         cache.free(0)
     with pytest.raises(ValueError, match="num_slots"):
-        PLECache(config, 1)
+        PLECache(config, 1, num_layers=1)
     with pytest.raises(ValueError, match="layout"):
         PLECache(config, 3, layout="wc")
 
@@ -279,7 +279,7 @@ def test_slot_table_errors():
 def test_stale_batches_and_bad_hidden_are_rejected():
     config = ple.PLEConfig.preset("tiny")
     layer, = make_layers(config, 1, 10)
-    cache = PLECache(config, 3)
+    cache = PLECache(config, 3, num_layers=1)
     s = cache.allocate()
     batch = cache.schedule([Prefill(s, [1, 2, 3])])
     snap = snapshot(cache)
@@ -313,7 +313,7 @@ def test_a_failed_step_can_be_retried_without_moving_the_window_twice(monkeypatc
     """Realignment (spec -> decode) is recorded per slot and layer, so a retry after a failure is exact."""
     config = ple.PLEConfig.preset("tiny")
     layer, = make_layers(config, 1, 12)
-    cache = PLECache(config, 3, num_spec_tokens=3)
+    cache = PLECache(config, 3, num_spec_tokens=3, num_layers=1)
     s = cache.allocate()
     C = config.hc_hidden_size
     g = torch.Generator().manual_seed(13)

@@ -83,6 +83,7 @@ def test_a_layer_of_another_config_is_refused():
 
 
 def test_cache_constructor_errors():
+    assert PLECache(TINY, 3).num_layers == TINY.num_ple_layers == 2      # the default: every PLE layer
     with pytest.raises(ValueError, match="^num_layers: the config has 2 PLE layer"):
         PLECache(TINY, 3, num_layers=3)
     for bad in ("float32", torch.int32, 3):
