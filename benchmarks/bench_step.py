@@ -7,9 +7,18 @@ Variants: the layer on the Triton backend and on the reference backend.
     python benchmarks/bench_step.py                 # real widths (GPU)
     python benchmarks/bench_step.py --smoke --dtype float32
     python benchmarks/bench_step.py --backward      # forward + backward of PLELayer.forward (training)
+    python benchmarks/bench_step.py --host          # µs of host time per step: schedule and step
+
+``--host`` times what the host spends per serving step, for both backends: ``schedule``
+(validation on the host, the plan, its one upload) and ``layer.step`` up to its return
+(launches only on a GPU: the device is synchronised before and after, never inside). On
+a CPU the step's host time is its whole time.
 """
 
 from __future__ import annotations
+
+import statistics
+import time
 
 import common
 import torch
@@ -30,7 +39,7 @@ def make_layer(cfg, backend, device, dtype):
 def step_variant(layer, cfg, kind, n, device, dtype, spec_len=4):
     """A zero-arg callable running one step of ``kind`` on fresh state (scheduling included)."""
     slots = n if kind != "prefill" else 1
-    cache = PLECache(cfg, slots + 2, num_spec_tokens=spec_len - 1, dtype=dtype, device=device)
+    cache = PLECache(cfg, slots + 2, num_spec_tokens=spec_len - 1, num_layers=1, dtype=dtype, device=device)
     ids = list(range(2, 2 + slots))
     live = [cache.allocate() for _ in range(slots)]
     warm = cache.schedule([Prefill(s, [3, 4, 5]) for s in live])
@@ -47,18 +56,61 @@ def step_variant(layer, cfg, kind, n, device, dtype, spec_len=4):
     hidden = torch.randn(sum(len(getattr(i, "tokens", [0])) for i in items), cfg.hc_hidden_size,
                          device=device).to(dtype)
 
-    batch = cache.schedule(items)                       # scheduled once: the timing is the layer's step
     saved = [slot.__dict__.copy() for slot in cache._slots]
 
-    def run():
-        # The step advances the cache's bookkeeping; put it back so the same batch can run again.
+    def schedule():
+        # The step advances the cache's bookkeeping; put it back so the same items can run again.
         for slot, d in zip(cache._slots, saved):
             slot.__dict__.update(d)
-        cache._version, batch.layers_done = batch.version, set()
+        return cache.schedule(items)
+
+    batch = schedule()                                  # scheduled once: the timing is the layer's step
+
+    def run():
+        schedule()
+        batch.version, batch.layers_done = cache._version, set()
         layer.step(hidden, batch, cache)
 
+    def host_step():
+        """(µs in schedule, µs in layer.step until it returns) of one fresh step."""
+        common.sync(device)
+        t0 = time.perf_counter()
+        b = schedule()
+        t1 = time.perf_counter()
+        layer.step(hidden, b, cache)
+        t2 = time.perf_counter()
+        common.sync(device)
+        return (t1 - t0) * 1e6, (t2 - t1) * 1e6
+
     tokens = hidden.shape[0]
-    return run, tokens
+    return run, tokens, host_step
+
+
+def host_times(args, layers, cfg, device, dtype, repeats) -> list[dict]:
+    """µs of host time per step (median): decode R = 1, 64, 256 and a mixed step, both backends."""
+    cases = [("decode", n) for n in common.ints(args.decode)] + [("mixed", n) for n in common.ints(args.mixed)]
+    rows = []
+    print(f"  {'case':28s} {'backend':10s} {'schedule µs':>12s} {'step µs':>12s}")
+    for kind, n in cases:
+        for name, layer in layers.items():
+            if name not in args.variants.split(","):
+                continue
+            _, tokens, host_step = step_variant(layer, cfg, kind, n, device, dtype)
+            for _ in range(2):                           # warm-up
+                host_step()
+            times = [host_step() for _ in range(repeats)]
+            sched = statistics.median(t[0] for t in times)
+            step = statistics.median(t[1] for t in times)
+            case = f"{kind} n={n} T={tokens}"
+            print(f"  {case:28s} {name:10s} {sched:12.1f} {step:12.1f}")
+            for part, us in (("schedule", sched), ("step", step)):     # host milliseconds, one row a part
+                rows.append(dict(common._env(), benchmark="layer_step_host", case=case,
+                                 dtype=str(dtype).replace("torch.", ""), variant=f"{name}:{part}",
+                                 ms=f"{us / 1e3:.4f}", bytes=0, gbps="", copy_gbps="", frac_copy="",
+                                 vs_reference="", vs_compiled=""))
+    if args.csv:
+        common.append_csv(args.csv, rows, common.FIELDS)
+    return rows
 
 
 def main(argv=None):
@@ -68,6 +120,7 @@ def main(argv=None):
     p.add_argument("--decode", default="1,64,256")
     p.add_argument("--spec-batch", default="1,64,256")
     p.add_argument("--mixed", default="64", help="requests in the mixed step")
+    p.add_argument("--host", action="store_true", help="µs of host time per step instead of device time")
     args = p.parse_args(argv)
     device, dtype, repeats = common.setup(args)
     cfg = common.model_config(args)
@@ -81,6 +134,8 @@ def main(argv=None):
     print(f"PLELayer: C={C} E={E} NH={cfg.num_ngram_heads} {dtype} on {device}; "
           f"copy bandwidth {common.copy_bandwidth(device, repeats):.1f} GB/s")
     rows = []
+    if args.host:
+        return host_times(args, layers, cfg, device, dtype, repeats)
     if args.backward:
         for T in common.ints(args.prefill):
             hidden = torch.randn(1, T, C, device=device).to(dtype).requires_grad_(True)
@@ -103,7 +158,7 @@ def main(argv=None):
     for kind, n in cases:
         variants = {}
         for name, layer in layers.items():
-            variants[name], tokens = step_variant(layer, cfg, kind, n, device, dtype)
+            variants[name], tokens, _ = step_variant(layer, cfg, kind, n, device, dtype)
         # at least: the projection weights, each token's table rows, 6 [T, C] tensors, the conv states
         nbytes = weights + tokens * isz * (6 * C + 2 * E) + n * C * cfg.conv_state_len * isz * 2
         rows += common.run_case(args, "layer_step", f"{kind} n={n} T={tokens}", dtype, device, repeats,
