@@ -13,6 +13,11 @@ path, ``dilated_causal_conv``, is in ``training_conv``):
   into ``residual``.
 * ``export_conv_checkpoints``: copy the S inputs before a position into a slot.
 
+Both are vectorised over requests and read index values only on the device (each
+logical row finds its request with ``torch.searchsorted`` on ``query_start_loc``),
+so with ``validate=False`` they turn no tensor into a Python value and trace under
+``torch.compile(fullgraph=True)``.
+
 Rounding follows the model: the tap sum is accumulated in float32 and rounded to
 the input dtype, then silu, rounded; each residual add is rounded.
 """
@@ -25,25 +30,51 @@ import torch.nn.functional as F
 from .. import _checks
 from .gate import acc_dtype
 
-__all__ = ["ple_conv", "export_conv_checkpoints", "conv_over_history"]
+__all__ = ["ple_conv", "export_conv_checkpoints"]
 
 
-def conv_over_history(hist: torch.Tensor, weight: torch.Tensor, dilation: int) -> torch.Tensor:
-    """Outputs for the last ``L - S`` positions of ``hist`` (``[L, C]``): ``silu(conv)`` in ``hist``'s dtype.
+def _row_requests(query_start_loc: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per logical row: its request and the request's first row (``query_start_loc`` ``[R+1]``, on the device)."""
+    qsl = query_start_loc.to(torch.int64)
+    rows = torch.arange(num_rows, device=qsl.device)
+    req = torch.searchsorted(qsl[1:], rows, right=True).clamp(max=max(qsl.numel() - 2, 0))
+    return req, qsl[req]
 
-    ``weight`` is ``[C, K]``; positions ``[0, S)`` of ``hist`` are history only.
+
+def _read_windows(conv_state: torch.Tensor, slots: torch.Tensor, owns: torch.Tensor, width: int,
+                  null_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's slot to read and write, and its columns ``[0, width)`` as ``[R, width, C]`` (raw bits).
+
+    The write has a fixed shape, so every request has a slot: an owner (``owns``: its slots
+    are distinct) its own, every other request a stand-in ``z``, the null slot when it
+    lies in ``[0, num_slots)``, else slot 0; see `_write_windows`.
     """
-    K = weight.shape[1]
-    S = (K - 1) * dilation
-    q = hist.shape[0] - S
-    acc = acc_dtype(hist.dtype)
-    h = hist.to(acc)
-    w = weight.to(acc)
-    out = torch.zeros(q, hist.shape[1], dtype=acc, device=hist.device)
-    for j in range(K):
-        lag = (K - 1 - j) * dilation                      # tap j reads the input `lag` steps back
-        out = out + w[:, j] * h[S - lag: S - lag + q]
-    return F.silu(out.to(hist.dtype).to(acc)).to(hist.dtype)
+    z = null_slot if 0 <= null_slot < conv_state.shape[0] else 0
+    target = torch.where(owns, slots, z)
+    if conv_state.shape[0] == 0:                        # no slots: every request is on the null slot
+        return target, conv_state.new_zeros(slots.numel(), conv_state.shape[1], width).transpose(1, 2)
+    return target, conv_state[target[:, None], :, torch.arange(width, device=slots.device)]
+
+
+def _write_windows(conv_state: torch.Tensor, target: torch.Tensor, owns: torch.Tensor, new: torch.Tensor,
+                   null_slot: int) -> None:
+    """``conv_state[target[r], :, c] = new[r, c]`` for ``c < width``: owners' new windows, no other bit changed.
+
+    ``target`` and ``new`` (``[R, width, C]``, state dtype) come from `_read_windows`, with
+    every non-owner's ``new`` the window it read. Those rewrite the stand-in ``z`` with the
+    bits it had: its own, unless (``z`` = slot 0 standing in for an out-of-range null slot)
+    an owner writes it, then that owner's. Rewriting a slot's own bits changes nothing, so
+    the null slot's bits are unchanged.
+    """
+    R, width = new.shape[:2]
+    num_slots = conv_state.shape[0]
+    if R == 0 or width == 0 or num_slots == 0:
+        return
+    if not 0 <= null_slot < num_slots:
+        hit = owns & (target == 0)                                            # at most one owner of slot 0
+        z_final = torch.where(hit.any(), new[hit.to(torch.int8).argmax()], new[(~owns).to(torch.int8).argmax()])
+        new = torch.where(owns[:, None, None], new, z_final)
+    conv_state[target[:, None], :, torch.arange(width, device=target.device)] = new
 
 
 def ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Tensor,
@@ -51,7 +82,7 @@ def ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Ten
              query_start_loc: torch.Tensor | None = None, has_initial_states: torch.Tensor | None = None,
              num_accepted_tokens: torch.Tensor | None = None, spec_query_len: int = 1,
              token_indices: torch.Tensor | None = None, outer_residual: torch.Tensor | None = None,
-             null_slot: int = 0) -> None:
+             null_slot: int = 0, validate: bool = True) -> None:
     """One serving step of the conv, in place: ``residual += y (+ outer_residual)``; states updated.
 
     Shapes: ``inputs``, ``residual``, ``outer_residual``: ``[T, C]`` (physical rows);
@@ -66,61 +97,109 @@ def ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Ten
       the slot's columns ``[0, S)`` are the request's history or zeros are. After the
       call, columns ``[0, S)`` hold the last S inputs of the history. Empty requests
       change nothing.
-    * ``"decode"``: one row per request; ``has_initial_states`` defaults to all True.
+    * ``"decode"``: one row per request (logical row r is request r; ``query_start_loc``
+      may be given, as ``[0, 1, ..., R]``); ``has_initial_states`` defaults to all True.
     * ``"spec"``: 1..``spec_query_len`` rows per request; the history is columns
       ``[o, o + S)`` with ``o = num_accepted_tokens[r] - 1``, always read; afterwards
       columns ``[0, S + q - 1)`` hold the history without its first column.
 
+    All requests at once: logical row i finds its request r (``searchsorted`` on
+    ``query_start_loc``) and its position p; tap j reads ``hist_r[S + p - lag_j]``,
+    from ``inputs`` or from the slot's old columns. The new columns
+    ``new[:, c] = hist_r[base + c]`` for ``c < n_write`` (``base = q_r``, ``n_write = S``;
+    spec: ``base = 1``, ``n_write = S + q_r - 1``) are computed from the states as they
+    were before the call, then written. Inputs are stored in the state's dtype (a history
+    read from the state goes through the input dtype first).
+
     Rows of a request whose slot is ``null_slot`` get no conv term (``outer_residual``
-    is still added) and the null slot is never read or written. Inputs are stored in
-    the state's dtype. Every output reads the states as they were before the call.
-    The residual adds are rounded one at a time: ``(residual + y) + outer_residual``.
+    is still added); their outputs do not depend on the null slot's contents and its bits
+    are unchanged (the write has a fixed shape, so the null slot's own bits, read before
+    the call, are written back to it; see ``_write_windows``). The residual adds are
+    rounded one at a time: ``(residual + y) + outer_residual``.
+
+    ``validate=False`` skips the value checks (index ranges, offsets, distinct slots);
+    for callers that validated on the host, e.g. ``PLECache.schedule``; out-of-range
+    values are then undefined behaviour. Either way no tensor is turned into a Python
+    value after the checks.
     """
-    call = _checks.ple_conv_call(
-        inputs, residual, conv_state, conv_weights, state_indices, mode=mode, dilation=dilation,
-        query_start_loc=query_start_loc, has_initial_states=has_initial_states,
-        num_accepted_tokens=num_accepted_tokens, spec_query_len=spec_query_len,
-        token_indices=token_indices, outer_residual=outer_residual, null_slot=null_slot)
-    S = call.state_len
-    dev = inputs.device
-    # Read every history before writing any state, so a state update can never feed another output.
-    updates = []
-    for r, slot in enumerate(call.slots):
-        lo, hi = call.starts[r], call.starts[r + 1]
-        if hi == lo:
-            continue
-        logical = torch.arange(lo, hi, device=dev)
-        rows = logical if call.rows is None else torch.tensor(call.rows[lo:hi], device=dev)
-        if slot == null_slot:
-            if outer_residual is not None:
-                residual[rows] = residual[rows] + outer_residual[rows]
-            continue
-        state = conv_state[slot]                                   # [C, W] view
-        x = inputs[rows]                                            # [q, C]
-        if mode == "spec":
-            o = call.accepted[r] - 1
-            prefix = state[:, o:o + S].T
-        elif call.has_initial[r]:
-            prefix = state[:, :S].T
-        else:
-            prefix = torch.zeros(S, x.shape[1], dtype=conv_state.dtype, device=dev)
-        hist = torch.cat([prefix.to(inputs.dtype), x], dim=0)       # [S + q, C]
-        y = conv_over_history(hist, conv_weights, dilation)
-        out = residual[rows] + y
-        if outer_residual is not None:
-            out = out + outer_residual[rows]
-        # What the slot holds afterwards: spec keeps every window of the step, the others the last S.
-        keep = hist[1:] if mode == "spec" else hist[-S:] if S else hist[:0]
-        updates.append((rows, out, slot, keep))
-    for rows, out, slot, keep in updates:
-        residual[rows] = out
-        conv_state[slot, :, : keep.shape[0]] = keep.T.to(conv_state.dtype)
+    check = _checks.ple_conv_call if validate else _checks.ple_conv_meta
+    check(inputs, residual, conv_state, conv_weights, state_indices, mode=mode, dilation=dilation,
+          query_start_loc=query_start_loc, has_initial_states=has_initial_states,
+          num_accepted_tokens=num_accepted_tokens, spec_query_len=spec_query_len,
+          token_indices=token_indices, outer_residual=outer_residual, null_slot=null_slot)
+    K = conv_weights.shape[1]
+    S = (K - 1) * dilation
+    C = inputs.shape[1]
+    dev, dt = inputs.device, inputs.dtype
+    R = state_indices.numel()
+    N = inputs.shape[0] if token_indices is None else token_indices.numel()    # logical rows
+    rows = torch.arange(N, device=dev) if token_indices is None else token_indices.to(torch.int64)
+    if mode == "decode":
+        req, first = torch.arange(N, device=dev), torch.arange(N, device=dev)
+        starts = torch.arange(R + 1, device=dev)
+    else:
+        req, first = _row_requests(query_start_loc, N)
+        starts = query_start_loc.to(torch.int64)
+    pos = torch.arange(N, device=dev) - first                                   # position in its request
+    q = starts[1:] - starts[:-1]                                                # [R] rows per request
+
+    slots = state_indices.to(torch.int64)
+    live = slots != null_slot                                                   # [R]
+    if mode == "spec":
+        reads = live
+        o = num_accepted_tokens.to(torch.int64) - 1
+    else:
+        default = mode == "decode"
+        flags = torch.full((R,), default, device=dev) if has_initial_states is None else has_initial_states != 0
+        reads = live & flags
+        o = torch.zeros(R, dtype=torch.int64, device=dev)
+
+    # Every request's old columns [0, width): its history is read from them, the new state written over them.
+    width = S + spec_query_len - 1 if mode == "spec" else S
+    target, old = _read_windows(conv_state, slots, live, width, null_slot)
+    old = old.reshape(R * width, C)                                             # row r*width + c: column c of r
+    # All histories in one table: row 0 zeros (no history), rows 1 + [r*width, (r+1)*width) the old columns
+    # of request r (so hist_r[k] = row 1 + r*width + o_r + k for k < S), then row 1 + R*width + i: logical row i.
+    hist = torch.cat([inputs.new_zeros(1, C), old.to(dt), inputs.index_select(0, rows)])
+
+    def hist_row(r, k):
+        """Row of ``hist_r[k]``: ``k < S`` its old column ``o_r + k`` (or zeros), else logical row
+        ``starts[r] + k - S``."""
+        return torch.where(k < S, torch.where(reads[r], 1 + r * width + o[r] + k, 0), 1 + R * width + starts[r] + k - S)
+
+    acc = acc_dtype(dt)
+    w = conv_weights.to(acc)
+    out = torch.zeros(N, C, dtype=acc, device=dev)
+    for j in range(K):
+        lag = (K - 1 - j) * dilation                      # tap j reads the input `lag` steps back
+        out = out + w[:, j] * hist.index_select(0, hist_row(req, S + pos - lag)).to(acc)
+    y = F.silu(out.to(dt).to(acc)).to(dt)
+
+    res = residual.index_select(0, rows)
+    new_res = torch.where(live[req][:, None], res + y, res)
+    if outer_residual is not None:
+        new_res = new_res + outer_residual.index_select(0, rows)
+
+    # What each slot holds afterwards: spec keeps every window of the step, the others the last S;
+    # a column not written (null slot, empty request, spec past S + q - 1) keeps its old bits.
+    c = torch.arange(width, device=dev)
+    base, n_write = (torch.ones_like(q), S + q - 1) if mode == "spec" else (q, torch.full_like(q, S))
+    write = (c < n_write[:, None]) & (q[:, None] > 0) & live[:, None]                # [R, width]
+    table, first_old = hist, 1                                                  # rows of the old bits
+    if conv_state.dtype != dt:        # then hist's old columns went through the input dtype: keep the raw ones
+        table, first_old = torch.cat([hist.to(conv_state.dtype), old]), hist.shape[0]
+    r = torch.arange(R, device=dev)[:, None]
+    src = torch.where(write, hist_row(r, base[:, None] + c), first_old + r * width + c)
+    new = table.index_select(0, src.flatten()).to(conv_state.dtype).reshape(R, width, C)
+
+    residual.index_copy_(0, rows, new_res)
+    _write_windows(conv_state, target, live, new, null_slot)
 
 
 def export_conv_checkpoints(inputs: torch.Tensor, conv_state: torch.Tensor, *,
                             query_start_loc: torch.Tensor, offsets: torch.Tensor, slots: torch.Tensor,
                             state_len: int, token_indices: torch.Tensor | None = None,
-                            null_slot: int = 0) -> None:
+                            null_slot: int = 0, validate: bool = True) -> None:
     """Write prefix-cache checkpoints: ``conv_state[slots[r], :, 0:S] = inputs of rows [off - S, off)``.
 
     For request r (rows cut by ``query_start_loc``, logical rows mapped through
@@ -128,14 +207,27 @@ def export_conv_checkpoints(inputs: torch.Tensor, conv_state: torch.Tensor, *,
     would have after the first ``offsets[r]`` tokens of this step, provided those rows
     hold at least S inputs: ``0 < offsets[r] < state_len`` or an offset past the
     request's rows is a ``ValueError``. ``offsets[r] == 0`` and ``slots[r] == null_slot``
-    write nothing.
+    write nothing (no bit of any slot changes; see ``ple_conv`` for how the fixed-shape
+    write leaves other slots alone). All requests at once, on the device.
+
+    ``validate=False`` skips the value checks (index ranges, offsets, distinct slots);
+    for callers that validated on the host, e.g. ``PLECache.schedule``; out-of-range
+    values are then undefined behaviour.
     """
-    call = _checks.export_call(inputs, conv_state, query_start_loc=query_start_loc,
-                                 offsets=offsets, slots=slots, state_len=state_len,
-                                 token_indices=token_indices, null_slot=null_slot)
-    for r, (off, slot) in enumerate(zip(call.offsets, call.slots)):
-        if off == 0 or slot == null_slot:
-            continue
-        logical = list(range(call.starts[r] + off - state_len, call.starts[r] + off))
-        rows = logical if call.rows is None else [call.rows[i] for i in logical]
-        conv_state[slot, :, :state_len] = inputs[rows].T.to(conv_state.dtype)
+    check = _checks.export_call if validate else _checks.export_meta
+    check(inputs, conv_state, query_start_loc=query_start_loc, offsets=offsets, slots=slots,
+          state_len=state_len, token_indices=token_indices, null_slot=null_slot)
+    num_logical = inputs.shape[0] if token_indices is None else token_indices.numel()
+    if num_logical == 0:                                # no rows: every offset is 0
+        return
+    dev = inputs.device
+    S = state_len
+    off = offsets.to(torch.int64)
+    sl = slots.to(torch.int64)
+    owns = (off > 0) & (sl != null_slot)
+    target, old = _read_windows(conv_state, sl, owns, S, null_slot)
+    logical = query_start_loc.to(torch.int64)[:-1, None] + off[:, None] - S + torch.arange(S, device=dev)
+    logical = logical.clamp(0, num_logical - 1)                                 # rows of non-owners: any
+    rows = logical if token_indices is None else token_indices.to(torch.int64)[logical]
+    new = torch.where(owns[:, None, None], inputs[rows].to(conv_state.dtype), old)     # [R, S, C]
+    _write_windows(conv_state, target, owns, new, null_slot)

@@ -10,12 +10,17 @@ from .. import _checks
 __all__ = ["embedding_lookup", "embedding_lookup_sparse_grad"]
 
 
-def embedding_lookup(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def embedding_lookup(weight: torch.Tensor, ids: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
     """``weight[ids]`` flattened per token: ``[rows, D]`` and ``[T, NH]`` give ``[T, NH * D]``.
 
     Head h's row occupies columns ``[h * D, (h + 1) * D)``. Autograd reaches ``weight``.
+
+    ``validate=False`` skips the value checks (the range of ``ids``); for callers that
+    validated on the host, e.g. ``PLECache.schedule``; out-of-range values are
+    then undefined behaviour.
     """
-    T, NH, D = _checks.lookup_call(weight, ids)
+    (_checks.lookup_call if validate else _checks.lookup_meta)(weight, ids)
+    (T, NH), D = ids.shape, weight.shape[1]
     return F.embedding(ids.long(), weight).reshape(T, NH * D)
 
 

@@ -123,35 +123,46 @@ def hash_params(config: PLEConfig, ple_layer_index: int) -> HashParams:
 
 def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: int, eos_token_id: int,
               query_start_loc: torch.Tensor | None = None,
-              ngram_context: torch.Tensor | None = None) -> torch.Tensor:
+              ngram_context: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
     """Table rows of every token's NH hash heads: ``[T, NH]`` int64.
 
     ``input_ids`` is ``[T]``: the tokens of R requests laid end to end, cut by
     ``query_start_loc`` (``[R+1]``; default: one request). ``ngram_context``
     (``[R, N-1]``, oldest first; default: all EOS, i.e. every request starts its
     sequence) holds the tokens before each request's first token, so a chunk's ids
-    equal those of the same tokens hashed within the whole sequence.
+    equal those of the same tokens hashed within the whole sequence. Each token finds its
+    request with ``torch.searchsorted`` on the device ``query_start_loc``, so no tensor is
+    turned into a Python value after the checks.
+
+    ``validate=False`` skips the value checks (token id ranges, offsets); for callers that
+    validated on the host, e.g. ``PLECache.schedule``; out-of-range values are
+    then undefined behaviour.
     """
-    R, starts = _checks.ngram_call(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc,
-                                   ngram_context)
+    check = _checks.ngram_call if validate else _checks.ngram_meta
+    check(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
     dev = input_ids.device
     N = params.multipliers.numel()
     T = input_ids.numel()
+    R = 1 if query_start_loc is None else query_start_loc.numel() - 1
     ids = input_ids.to(torch.int64)
     if ngram_context is None:
         ctx = torch.full((R, N - 1), eos_token_id, dtype=torch.int64, device=dev)
     else:
         ctx = ngram_context.to(torch.int64)
 
-    lens = torch.tensor([b - a for a, b in zip(starts, starts[1:])], device=dev, dtype=torch.int64)
-    req = torch.repeat_interleave(torch.arange(R, device=dev), lens)                    # [T] request of a token
-    pos = torch.arange(T, device=dev) - torch.tensor(starts[:-1], device=dev, dtype=torch.int64)[req]
+    tokens = torch.arange(T, device=dev)
+    if query_start_loc is None:
+        req, pos = torch.zeros(T, dtype=torch.int64, device=dev), tokens
+    else:
+        qsl = query_start_loc.to(torch.int64)
+        req = torch.searchsorted(qsl[1:], tokens, right=True).clamp(max=max(R - 1, 0))   # [T] request of a token
+        pos = tokens - qsl[req]                                                           # position in it
 
     # back[k][t] is the token k positions before token t: inside the chunk, or in its context.
     back = [ids]
     for k in range(1, N):
         in_chunk = pos >= k
-        from_chunk = ids[(torch.arange(T, device=dev) - k).clamp(min=0)]
+        from_chunk = torch.cat([ids.new_zeros(min(k, T)), ids[: max(T - k, 0)]])  # ids shifted k to the right
         from_ctx = ctx[req, (N - 1 + pos - k).clamp(0, N - 2)] if R else from_chunk
         back.append(torch.where(in_chunk, from_chunk, from_ctx))
 

@@ -19,15 +19,20 @@ __all__ = ["dilated_causal_conv"]
 
 
 def dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: int,
-                        cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+                        cu_seqlens: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
     """``silu(causal dilated depthwise conv(x))`` over whole sequences, with autograd.
 
     ``x`` is ``[B, L, C]`` (each row a sequence) or packed ``[T, C]`` with
     ``cu_seqlens`` (``[R+1]``) cutting it into sequences; a 2-D ``x`` without
     ``cu_seqlens`` is one sequence. ``weight`` is ``[C, K]``. Every sequence starts
-    with zero history. Returns ``y`` with ``x``'s shape and dtype.
+    with zero history. Returns ``y`` with ``x``'s shape and dtype. A packed token finds its
+    sequence with ``torch.searchsorted`` on the device ``cu_seqlens``.
+
+    ``validate=False`` skips the value checks (the offsets of ``cu_seqlens``); for callers
+    that validated on the host, e.g. ``PLECache.schedule``; out-of-range values are then
+    undefined behaviour.
     """
-    starts = _checks.dense_conv_call(x, weight, dilation, cu_seqlens).starts
+    (_checks.dense_conv_call if validate else _checks.dense_conv_meta)(x, weight, dilation, cu_seqlens)
     K = weight.shape[1]
     acc = acc_dtype(x.dtype)
     xf, w = x.to(acc), weight.to(acc)
@@ -37,11 +42,11 @@ def dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: int,
         time_dim = 1
     else:
         T = x.shape[0]
-        seq_start = torch.zeros(T, dtype=torch.int64, device=x.device)
-        if starts is not None:
-            lens = torch.tensor([b - a for a, b in zip(starts, starts[1:])], device=x.device, dtype=torch.int64)
-            seq_start = torch.repeat_interleave(torch.tensor(starts[:-1], device=x.device, dtype=torch.int64), lens)
-        pos = torch.arange(T, device=x.device) - seq_start      # position within its sequence
+        pos = torch.arange(T, device=x.device)                  # position within its sequence
+        if cu_seqlens is not None:
+            cu = cu_seqlens.to(torch.int64)
+            seq = torch.searchsorted(cu[1:], pos, right=True).clamp(max=max(cu.numel() - 2, 0))
+            pos = pos - cu[seq]
         time_dim = 0
     out = torch.zeros_like(xf)
     for j in range(K):
