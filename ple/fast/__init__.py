@@ -1,13 +1,15 @@
 """Triton kernels with the names and signatures of ``ple.reference``.
 
 One module per part, mirroring the reference: ``hashing``, ``embedding``, ``gate``,
-``conv`` (the serving step) and ``training_conv``. Each holds, in this order, its
-kernels, their launchers and the op's registration with ``torch.library``
-(``torch.ops.ple.*``, through ``_library.register``) so ``torch.compile`` traces the
+``conv`` (the serving step; its fused decode / spec kernel in ``conv_decode``) and
+``training_conv``. Each holds, in this order, its kernels, their launchers and the op's
+registration with ``torch.library`` (``torch.ops.ple.*``, through ``_library.register``) so ``torch.compile`` traces the
 layer without graph breaks. The public functions take the signature and docstring of
 their reference twin (``_library.twin``); each checks the call's metadata
 (``ple._checks.<op>_meta``) before dispatch, and the registered op checks the index
-values at run time (``ple._checks.<op>_values``), see ``ple._checks``. Kernels load,
+values at run time (``ple._checks.<op>_values``), see ``ple._checks``, unless the call passes
+``validate=False``: then the op reads no value on the host (grids come from shapes, tiles are
+found on the device), so it makes no device-to-host synchronisation. Kernels load,
 compute in float32 (float64 for float64 inputs) and round on store with the shared
 ``_numerics``. Host-side parameters (``hash_params``) are shared with the reference.
 On a machine without CUDA the kernels run under ``TRITON_INTERPRET=1``.

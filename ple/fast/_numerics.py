@@ -10,7 +10,9 @@
   ``torch.promote_types(dtype, float32)``, i.e. float32, or float64 for float64 inputs.
   Kernels get it as the ``IS_FP64`` flag (`is_fp64`).
 * **Block sizes and tiles.** `pow2_block` (the next power of two, capped), `block_c` (channels
-  per conv program) and `tile_table` (the conv kernels' time tiles).
+  per conv program), and the conv kernels' time tiles of variable-length requests, found on
+  the device: `tile_grid` (how many programs, from shapes only) and `tile_of` (the request and
+  first position of a program's tile, by a binary search over the device offsets).
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import triton.language as tl
 
 from ..reference.gate import acc_dtype
 
-__all__ = ["acc_dtype", "is_fp64", "pow2_block", "block_c", "tile_table", "TIME_BLOCK", "MAX_BLOCK_C",
-           "bf16_to_f32", "f32_to_bf16", "round_bf16", "up", "down",
+__all__ = ["acc_dtype", "is_fp64", "pow2_block", "block_c", "tile_grid", "search_steps", "tile_of", "TIME_BLOCK",
+           "MAX_BLOCK_C", "bf16_to_f32", "f32_to_bf16", "round_bf16", "up", "down",
            "rnd", "convert", "silu"]
 
 
@@ -110,13 +112,37 @@ def block_c(C: int) -> int:
     return pow2_block(C, MAX_BLOCK_C)
 
 
-def tile_table(starts: list[int], block_t: int, device) -> torch.Tensor:
-    """``[num_tiles, 2]`` int32 rows ``(request, first position)`` of ``block_t``-row time tiles.
+def search_steps(num_requests: int) -> int:
+    """Steps of a binary search over ``num_requests`` candidates (``ceil(log2 R)``), a runtime loop count."""
+    return max(num_requests - 1, 0).bit_length()
 
-    O(R + T / block_t) host work and one small copy to ``device``; empty requests get no tile.
+
+def tile_grid(num_rows: int, num_requests: int, block_t: int) -> int:
+    """Programs for the ``block_t``-row tiles of ``num_requests`` requests over ``num_rows`` rows (shapes only).
+
+    Request r's tiles get the program ids ``[base_r, base_r + ceil(n_r / block_t))`` with
+    ``base_r = offsets[r] // block_t + r``; that range ends at or before ``base_{r+1}``, and
+    ``base_R = num_rows // block_t + R`` bounds them all, so no host value is needed. Ids in a gap
+    (at most one per request) own no rows and do nothing.
     """
-    flat: list[int] = []
-    for r in range(len(starts) - 1):
-        for t0 in range(0, starts[r + 1] - starts[r], block_t):
-            flat += (r, t0)
-    return torch.tensor(flat, dtype=torch.int32).view(-1, 2).to(device)
+    return num_rows // block_t + num_requests
+
+
+@triton.jit
+def tile_of(pid, offs_ptr, stride_offs_r, R, steps, BLOCK_T: tl.constexpr):
+    """``(request, first position)`` of program ``pid``'s tile (int64), see `tile_grid`.
+
+    The request is the largest r in ``[0, R)`` with ``offsets[r] // BLOCK_T + r <= pid`` (``steps`` =
+    `search_steps` (R) halvings; empty requests own no id, so the search skips them). The first
+    position may lie past the request's rows: then the program owns no rows.
+    """
+    pid = pid.to(tl.int64)
+    lo = pid * 0
+    hi = lo + R - 1
+    for _ in range(steps):
+        mid = (lo + hi + 1) // 2
+        go_right = tl.load(offs_ptr + mid * stride_offs_r).to(tl.int64) // BLOCK_T + mid <= pid
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid - 1)
+    base = tl.load(offs_ptr + lo * stride_offs_r).to(tl.int64) // BLOCK_T + lo
+    return lo, (pid - base) * BLOCK_T

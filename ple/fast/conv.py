@@ -3,29 +3,29 @@
 Same names, signatures and numbers as ``ple.reference.conv``; the arguments are
 validated by the same checks (``ple._checks``) before any tensor is touched.
 
-Serving step (``ple_conv``): two launches.
+Serving step (``ple_conv``). Decode and spec: one launch of the fused kernel of
+``conv_decode`` (``_step_fused_kernel``, grid ``(requests, channel blocks)``): each program
+loads its slot's old window and its request's rows once, writes the outputs, then (after a
+barrier) the shifted window; see that module. Prefill: two launches.
 
 1. ``_step_out_kernel``, grid ``(time tiles, channel blocks)``. A time tile is
-   ``BLOCK_T`` consecutive rows of one request: prefill builds a small per-tile
-   table ``[(request, first position)]`` on the host (O(R + T / BLOCK_T) entries,
-   one small copy to the device), so a long request is spread over many programs;
-   decode uses one single-row tile per request and spec one tile of
-   ``next_pow2(spec_query_len)`` rows per request, with no table. Each program
-   reads the K dilated taps of its rows: positions inside the step come from
-   ``inputs`` (logical row -> physical row through ``token_indices``), positions
-   before it from the slot's *old* state columns ``[o, o + S)`` (or zeros), then
-   writes ``residual`` (plus ``outer_residual``) for its rows. It never writes a
-   state.
-2. ``_step_state_kernel``, grid ``(requests, channel blocks)``, launched after (1)
-   on the same stream, so no output can read a state this step has already
-   updated. It writes the slot's new columns ``[0, n_write)`` from ``hist``:
-   new column i is ``hist[i + base]`` (``base = q`` for prefill and decode, 1 for
-   spec), i.e. old state column ``o + base + i`` or an input row. Because the
-   source column is always *after* the destination (``o + base >= 1``) and the
-   columns are written one at a time in increasing order by the same program,
-   a column is read (by the thread that owns that channel) before it is
-   overwritten: the in-place shift cannot race. Distinct requests have distinct
-   slots (checked), so programs of different requests never share a slot.
+   ``BLOCK_T`` consecutive rows of one request, so a long request is spread over many
+   programs. The grid is ``num_rows // BLOCK_T + R`` programs, an upper bound from shapes
+   alone; each program finds its (request, first position) by a binary search over
+   ``query_start_loc`` on the device (``_numerics.tile_of``), and a program past its
+   request's rows (at most one per request) does nothing. No table, no host values. Each
+   program reads the K dilated taps of its rows: positions inside the step come from
+   ``inputs`` (logical row -> physical row through ``token_indices``), positions before it
+   from the slot's *old* state columns ``[0, S)`` (or zeros), then writes ``residual`` (plus
+   ``outer_residual``) for its rows. It never writes a state.
+2. ``_step_state_kernel``, grid ``(requests, channel blocks)``, launched after (1) on the
+   same stream, so no output can read a state this step has already updated. It writes the
+   slot's new columns ``[0, S)``: new column i is ``hist[i + n]``, i.e. old state column
+   ``n + i`` or an input row. Because the source column is always *after* the destination
+   (``n >= 1``; an empty request writes nothing) and the columns are written one at a time in
+   increasing order by the same program, a column is read (by the thread that owns that
+   channel) before it is overwritten: the in-place shift cannot race. Distinct requests have
+   distinct slots (checked), so programs of different requests never share a slot.
 
 ``export_conv_checkpoints`` is one copy kernel (inputs -> state columns ``[0, S)``);
 it reads no state.
@@ -39,8 +39,8 @@ between dtypes are canonicalised; same-dtype state copies are plain copies, bit 
 Recompilation: K, the dilation, the block sizes, the dtypes and the flags are
 compile-time constants (model constants); row counts, strides and the null slot are
 runtime arguments, so a new batch shape never recompiles (beyond Triton's usual
-"== 1 / multiple of 16" integer specialisation). The kernels take no T at all: rows
-come from ``query_start_loc`` and the tile table.
+"== 1 / multiple of 16" integer specialisation). Rows come from ``query_start_loc``
+and the tile search; the fused kernel is specialised on ``spec_query_len``.
 
 Interpreter note: per-request predicates (live slot, reads-history, ...) are built
 as vectors (``zeros + scalar``) rather than broadcast from scalar comparisons,
@@ -50,7 +50,10 @@ code the interpreter accepts but the compiler rejects is caught without a GPU.
 
 Registered as ``torch.ops.ple.ple_conv`` and ``torch.ops.ple.export_conv_checkpoints``
 (both mutate their outputs in place): the public functions check the metadata
-(``ple._checks.ple_conv_meta`` / ``export_meta``), the ops the index values at run time.
+(``ple._checks.ple_conv_meta`` / ``export_meta``), the ops the index values at run time
+unless ``validate=False``. Either way the launches take their grids from shapes only and
+read index values only on the device, so with ``validate=False`` a call makes no
+device-to-host synchronisation (the caller vouches for the values).
 The training conv is ``training_conv``.
 """
 
@@ -63,74 +66,47 @@ import triton.language as tl
 from .. import _checks
 from ..reference import conv as _reference
 from ._library import register, twin
-from ._numerics import TIME_BLOCK, block_c, convert, down, is_fp64, rnd, silu, tile_table, up
+from ._numerics import TIME_BLOCK, block_c, convert, down, is_fp64, rnd, search_steps, silu, tile_grid, tile_of, up
+from .conv_decode import DECODE, PREFILL, SPEC, launch_fused_step
 
 __all__ = ["ple_conv", "export_conv_checkpoints"]
 
-PREFILL = tl.constexpr(0)
-DECODE = tl.constexpr(1)
-SPEC = tl.constexpr(2)
 _MODES = {"prefill": PREFILL.value, "decode": DECODE.value, "spec": SPEC.value}
 
 
 @triton.jit
-def _request(r, qsl_ptr, stride_qsl_r, MODE: tl.constexpr):
-    """First logical row and row count of request ``r`` (int64)."""
-    if MODE == DECODE:
-        lo = r
-        n = r * 0 + 1
+def _prefill_request(r, qsl_ptr, stride_qsl_r, init_ptr, stride_init_r, HAS_INIT_FLAGS: tl.constexpr):
+    """First logical row, row count and has-initial-state flag (nonzero int) of prefill request ``r``."""
+    lo = tl.load(qsl_ptr + r * stride_qsl_r).to(tl.int64)
+    n = tl.load(qsl_ptr + (r + 1) * stride_qsl_r).to(tl.int64) - lo
+    if HAS_INIT_FLAGS:
+        flag = tl.load(init_ptr + r * stride_init_r).to(tl.int64)
     else:
-        lo = tl.load(qsl_ptr + r * stride_qsl_r).to(tl.int64)
-        n = tl.load(qsl_ptr + (r + 1) * stride_qsl_r).to(tl.int64) - lo
-    return lo, n
-
-
-@triton.jit
-def _history_source(r, init_ptr, stride_init_r, nat_ptr, stride_nat_r,
-                    MODE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, IS_INIT_DEFAULT: tl.constexpr):
-    """(reads the state? as a nonzero int, first state column of the history) for request ``r``."""
-    if MODE == SPEC:
-        off = tl.load(nat_ptr + r * stride_nat_r).to(tl.int64) - 1
-        flag = r * 0 + 1                                        # spec always reads its history
-    else:
-        off = r * 0
-        if HAS_INIT_FLAGS:
-            flag = tl.load(init_ptr + r * stride_init_r).to(tl.int64)
-        else:
-            flag = r * 0 + IS_INIT_DEFAULT
-    return flag, off
+        flag = r * 0
+    return lo, n, flag
 
 
 @triton.jit
 def _step_out_kernel(
     x_ptr, res_ptr, outer_ptr, state_ptr, w_ptr,
-    slot_ptr, qsl_ptr, init_ptr, nat_ptr, rows_ptr, tiles_ptr,
-    C, null_slot,
+    slot_ptr, qsl_ptr, init_ptr, rows_ptr,
+    C, null_slot, R, steps,
     stride_x_t, stride_x_c, stride_res_t, stride_res_c, stride_outer_t, stride_outer_c,
     stride_state_n, stride_state_c, stride_state_w, stride_w_c, stride_w_k,
-    stride_slot_r, stride_qsl_r, stride_init_r, stride_nat_r, stride_rows_t,
-    K: tl.constexpr, DILATION: tl.constexpr, MODE: tl.constexpr,
-    HAS_INIT_FLAGS: tl.constexpr, IS_INIT_DEFAULT: tl.constexpr,
+    stride_slot_r, stride_qsl_r, stride_init_r, stride_rows_t,
+    K: tl.constexpr, DILATION: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     HAS_TOKEN_INDICES: tl.constexpr, HAS_OUTER_RESIDUAL: tl.constexpr,
     IS_X_BF16: tl.constexpr, IS_STATE_BF16: tl.constexpr, IS_W_BF16: tl.constexpr,
     IS_STATE_SAME_DTYPE: tl.constexpr, IS_FP64: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Outputs of one time tile: ``residual[rows] += silu(conv(hist))`` (+ ``outer_residual``)."""
-    S = (K - 1) * DILATION                                      # history length (compile-time)
+    """Prefill outputs of one time tile: ``residual[rows] += silu(conv(hist))`` (+ ``outer_residual``)."""
+    S: tl.constexpr = (K - 1) * DILATION                        # history length (compile-time)
     XT = x_ptr.dtype.element_ty
-    pid_t = tl.program_id(0)
     pid_c = tl.program_id(1)
-    if MODE == PREFILL:
-        r = tl.load(tiles_ptr + 2 * pid_t).to(tl.int64)
-        t0 = tl.load(tiles_ptr + 2 * pid_t + 1).to(tl.int64)
-    else:
-        r = pid_t.to(tl.int64)
-        t0 = r * 0
-    lo, n = _request(r, qsl_ptr, stride_qsl_r, MODE)
+    r, t0 = tile_of(tl.program_id(0), qsl_ptr, stride_qsl_r, R, steps, BLOCK_T)
+    lo, n, flag = _prefill_request(r, qsl_ptr, stride_qsl_r, init_ptr, stride_init_r, HAS_INIT_FLAGS)
     slot = tl.load(slot_ptr + r * stride_slot_r).to(tl.int64)
-    flag, off = _history_source(r, init_ptr, stride_init_r, nat_ptr, stride_nat_r, MODE, HAS_INIT_FLAGS,
-                                IS_INIT_DEFAULT)
 
     p = t0 + tl.arange(0, BLOCK_T)                            # positions in the request   [BT]
     c = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)  # channels                 [BC]
@@ -157,7 +133,7 @@ def _step_out_kernel(
         xv = tl.load(x_ptr + prow[:, None] * stride_x_t + c[None, :] * stride_x_c,
                      mask=m_x[:, None] & cmask[None, :], other=0.0)
         m_s = pmask & (src < 0) & init
-        col = off + S + src                                     # old state column of hist[S + src]
+        col = S + src                                           # old state column of hist[S + src]
         sv = tl.load(state_row + col[:, None] * stride_state_w + c[None, :] * stride_state_c,
                      mask=m_s[:, None] & cmask[None, :], other=0.0)
         if not IS_STATE_SAME_DTYPE:
@@ -188,46 +164,36 @@ def _step_out_kernel(
 @triton.jit
 def _step_state_kernel(
     x_ptr, state_ptr,
-    slot_ptr, qsl_ptr, init_ptr, nat_ptr, rows_ptr,
+    slot_ptr, qsl_ptr, init_ptr, rows_ptr,
     C, null_slot,
     stride_x_t, stride_x_c, stride_state_n, stride_state_c, stride_state_w,
-    stride_slot_r, stride_qsl_r, stride_init_r, stride_nat_r, stride_rows_t,
-    K: tl.constexpr, DILATION: tl.constexpr, MODE: tl.constexpr, W_OUT: tl.constexpr,
-    HAS_INIT_FLAGS: tl.constexpr, IS_INIT_DEFAULT: tl.constexpr, HAS_TOKEN_INDICES: tl.constexpr,
+    stride_slot_r, stride_qsl_r, stride_init_r, stride_rows_t,
+    K: tl.constexpr, DILATION: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, HAS_TOKEN_INDICES: tl.constexpr,
     IS_X_BF16: tl.constexpr, IS_STATE_BF16: tl.constexpr, IS_STATE_SAME_DTYPE: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
-    """New state columns of one request: ``state[:, i] = hist[i + base]`` for i < n_write.
+    """New state columns of one prefill request: ``state[:, i] = hist[i + n]`` for i < S (none if n == 0).
 
     Columns go in increasing order and each reads a later column (or an input row), so a
     column is read before this program overwrites it; see the module docstring.
     """
-    S = (K - 1) * DILATION                                      # history length (compile-time)
+    S: tl.constexpr = (K - 1) * DILATION                        # history length (compile-time)
     XT = x_ptr.dtype.element_ty
     ST = state_ptr.dtype.element_ty
     r = tl.program_id(0).to(tl.int64)
     pid_c = tl.program_id(1)
-    lo, n = _request(r, qsl_ptr, stride_qsl_r, MODE)
+    lo, n, flag = _prefill_request(r, qsl_ptr, stride_qsl_r, init_ptr, stride_init_r, HAS_INIT_FLAGS)
     slot = tl.load(slot_ptr + r * stride_slot_r).to(tl.int64)
-    flag, off = _history_source(r, init_ptr, stride_init_r, nat_ptr, stride_nat_r, MODE, HAS_INIT_FLAGS,
-                                IS_INIT_DEFAULT)
-    if MODE == SPEC:
-        n_write = S + n - 1                                     # every window of the step
-        base = n * 0 + 1
-    else:
-        n_write = n * 0 + S                                     # the last S entries of hist
-        base = n
     c = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     zc = c * 0                                                  # predicates as [BC] vectors
     live = (zc + slot) != null_slot
-    active = (c < C) & live & ((zc + n) > 0)
+    write = (c < C) & live & ((zc + n) > 0)
     init = (zc + flag) != 0
     state_row = state_ptr + slot * stride_state_n
-    for i in tl.static_range(W_OUT):
-        k = base + i                                            # index into hist (length S + n)
-        write = active & ((zc + i) < n_write)
+    for i in tl.static_range(S):
+        k = n + i                                               # index into hist (length S + n)
         from_state = (zc + k) < S
-        sv = tl.load(state_row + (off + k) * stride_state_w + c * stride_state_c, mask=write & from_state & init,
+        sv = tl.load(state_row + k * stride_state_w + c * stride_state_c, mask=write & from_state & init,
                      other=0.0)
         m_x = write & ((zc + k) >= S)
         if HAS_TOKEN_INDICES:
@@ -282,67 +248,57 @@ def _dtype_flags(inputs: torch.Tensor, state: torch.Tensor) -> dict:
                 IS_STATE_SAME_DTYPE=state.dtype == inputs.dtype)
 
 
-def _ple_conv_fwd(call: _checks.ConvCall, inputs, residual, conv_state, conv_weights, state_indices, mode,
-                  dilation, query_start_loc, has_initial_states, num_accepted_tokens, spec_query_len,
-                  token_indices, outer_residual, null_slot) -> None:
-    """Launch the two kernels of one validated ``ple_conv`` call (see the module docstring)."""
+def _ple_conv_fwd(inputs, residual, conv_state, conv_weights, state_indices, mode, dilation, query_start_loc,
+                  has_initial_states, num_accepted_tokens, spec_query_len, token_indices, outer_residual,
+                  null_slot) -> None:
+    """Launch the kernels of one ``ple_conv`` call (see the module docstring); grids from shapes only."""
     C = inputs.shape[1]                  # channels (hc_count * hidden_size)
-    R = len(call.slots)
-    K = conv_weights.shape[1]
-    if R == 0 or C == 0 or call.num_rows == 0:
+    R = state_indices.numel()
+    num_rows = inputs.shape[0] if token_indices is None else token_indices.numel()
+    if R == 0 or C == 0 or num_rows == 0:
         return
     MODE = _MODES[mode]
-    dev = inputs.device
-    if MODE == PREFILL.value:
-        block_t = TIME_BLOCK
-        tiles = tile_table(call.starts, block_t, dev)
-        num_tiles = tiles.shape[0]
-    else:
-        block_t = 1 if MODE == DECODE.value else triton.next_power_of_2(spec_query_len)
-        tiles = state_indices                                  # never read
-        num_tiles = R
-    if num_tiles == 0:
-        return
     placeholder = state_indices                                # for absent index tensors: never read
     qsl = query_start_loc if (MODE != DECODE.value and query_start_loc is not None) else placeholder
     use_flags = has_initial_states is not None and MODE != SPEC.value
     init = has_initial_states if use_flags else placeholder
     if init.dtype == torch.bool:
         init = init.view(torch.uint8)
-    nat = num_accepted_tokens if MODE == SPEC.value else placeholder
     rows = token_indices if token_indices is not None else placeholder
-    bc = block_c(C)
-    shared = dict(
-        x_ptr=inputs, state_ptr=conv_state, slot_ptr=state_indices, qsl_ptr=qsl, init_ptr=init, nat_ptr=nat,
-        rows_ptr=rows, C=C, null_slot=null_slot,
+    outer = outer_residual if outer_residual is not None else residual
+    args = dict(
+        x_ptr=inputs, state_ptr=conv_state, slot_ptr=state_indices, qsl_ptr=qsl, init_ptr=init, rows_ptr=rows,
+        C=C, null_slot=null_slot,
         stride_x_t=inputs.stride(0), stride_x_c=inputs.stride(1), stride_state_n=conv_state.stride(0),
         stride_state_c=conv_state.stride(1), stride_state_w=conv_state.stride(2),
         stride_slot_r=state_indices.stride(0), stride_qsl_r=qsl.stride(0), stride_init_r=init.stride(0),
-        stride_nat_r=nat.stride(0), stride_rows_t=rows.stride(0),
-        K=K, DILATION=dilation, MODE=MODE, HAS_INIT_FLAGS=use_flags, IS_INIT_DEFAULT=int(MODE != PREFILL.value),
-        HAS_TOKEN_INDICES=token_indices is not None, **_dtype_flags(inputs, conv_state), BLOCK_C=bc)
-    outer = outer_residual if outer_residual is not None else residual
-    _step_out_kernel[(num_tiles, triton.cdiv(C, bc))](
-        res_ptr=residual, outer_ptr=outer, w_ptr=conv_weights, tiles_ptr=tiles,
+        stride_rows_t=rows.stride(0), K=conv_weights.shape[1], DILATION=dilation, HAS_INIT_FLAGS=use_flags,
+        HAS_TOKEN_INDICES=token_indices is not None, **_dtype_flags(inputs, conv_state))
+    outputs = dict(
+        res_ptr=residual, outer_ptr=outer, w_ptr=conv_weights,
         stride_res_t=residual.stride(0), stride_res_c=residual.stride(1),
         stride_outer_t=outer.stride(0), stride_outer_c=outer.stride(1),
         stride_w_c=conv_weights.stride(0), stride_w_k=conv_weights.stride(1),
         HAS_OUTER_RESIDUAL=outer_residual is not None, IS_W_BF16=conv_weights.dtype == torch.bfloat16,
-        IS_FP64=is_fp64(inputs.dtype), BLOCK_T=block_t, **shared)
-    w_out = call.state_len + (spec_query_len - 1 if MODE == SPEC.value else 0)
-    if w_out == 0:
+        IS_FP64=is_fp64(inputs.dtype))
+    if MODE != PREFILL.value:
+        nat = num_accepted_tokens if MODE == SPEC.value else placeholder
+        launch_fused_step(dict(args, **outputs, nat_ptr=nat, stride_nat_r=nat.stride(0),
+                               IS_INIT_DEFAULT=1), R, C, MODE, spec_query_len)
         return
-    # Launched after every output is computed: the outputs above read only old states.
-    _step_state_kernel[(R, triton.cdiv(C, bc))](W_OUT=w_out, **shared)
+    bc = block_c(C)
+    _step_out_kernel[(tile_grid(num_rows, R, TIME_BLOCK), triton.cdiv(C, bc))](
+        R=R, steps=search_steps(R), BLOCK_T=TIME_BLOCK, BLOCK_C=bc, **outputs, **args)
+    if (conv_weights.shape[1] - 1) * dilation > 0:
+        # Launched after every output is computed: the outputs above read only old states.
+        _step_state_kernel[(R, triton.cdiv(C, bc))](BLOCK_C=bc, **args)
 
 
-def _export_fwd(call: _checks.CheckpointCall, inputs, conv_state, query_start_loc, offsets, slots, state_len,
-                token_indices, null_slot) -> None:
-    """Launch the copy kernel of one validated ``export_conv_checkpoints`` call."""
+def _export_fwd(inputs, conv_state, query_start_loc, offsets, slots, state_len, token_indices, null_slot) -> None:
+    """Launch the copy kernel of one ``export_conv_checkpoints`` call; requests without a checkpoint do nothing."""
     C = inputs.shape[1]
-    R = len(call.offsets)
-    live = [o > 0 and s != null_slot for o, s in zip(call.offsets, call.slots, strict=True)]
-    if R == 0 or C == 0 or not any(live):
+    R = offsets.numel()
+    if R == 0 or C == 0:
         return
     rows = token_indices if token_indices is not None else offsets      # placeholder: never read
     bc = block_c(C)
@@ -359,20 +315,22 @@ def _export_fwd(call: _checks.CheckpointCall, inputs, conv_state, query_start_lo
 # ---- registration ----------------------------------------------------------------------------------
 
 
+# The keyword arguments of ``ple_conv_values``, in the op's order.
+_CONV_KEYWORDS = ("mode", "dilation", "query_start_loc", "has_initial_states", "num_accepted_tokens",
+                  "spec_query_len", "token_indices", "outer_residual", "null_slot")
+
+
 def _ple_conv_impl(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Tensor,
                    conv_weights: torch.Tensor, state_indices: torch.Tensor, conv_mode: str, dilation: int,
                    query_start_loc: torch.Tensor | None, has_initial_states: torch.Tensor | None,
                    num_accepted_tokens: torch.Tensor | None, spec_query_len: int,
                    token_indices: torch.Tensor | None, outer_residual: torch.Tensor | None,
-                   null_slot: int) -> None:
-    call = _checks.ple_conv_values(
-        inputs, residual, conv_state, conv_weights, state_indices, mode=conv_mode, dilation=dilation,
-        query_start_loc=query_start_loc, has_initial_states=has_initial_states,
-        num_accepted_tokens=num_accepted_tokens, spec_query_len=spec_query_len, token_indices=token_indices,
-        outer_residual=outer_residual, null_slot=null_slot)
-    _ple_conv_fwd(call, inputs, residual, conv_state, conv_weights, state_indices, conv_mode, dilation,
-                  query_start_loc, has_initial_states, num_accepted_tokens, spec_query_len, token_indices,
-                  outer_residual, null_slot)
+                   null_slot: int, validate: bool) -> None:
+    args = (inputs, residual, conv_state, conv_weights, state_indices, conv_mode, dilation, query_start_loc,
+            has_initial_states, num_accepted_tokens, spec_query_len, token_indices, outer_residual, null_slot)
+    if validate:
+        _checks.ple_conv_values(*args[:5], **dict(zip(_CONV_KEYWORDS, args[5:], strict=True)))
+    _ple_conv_fwd(*args)
 
 
 def _no_output(*args):
@@ -385,23 +343,24 @@ _ple_conv_op = register("ple_conv", _ple_conv_impl, fake=_no_output, mutates_arg
 @twin(_reference.ple_conv)
 def ple_conv(inputs, residual, conv_state, conv_weights, state_indices, *, mode, dilation, query_start_loc=None,
              has_initial_states=None, num_accepted_tokens=None, spec_query_len=1, token_indices=None,
-             outer_residual=None, null_slot=0):
+             outer_residual=None, null_slot=0, validate=True):
     _checks.ple_conv_meta(
         inputs, residual, conv_state, conv_weights, state_indices, mode=mode, dilation=dilation,
         query_start_loc=query_start_loc, has_initial_states=has_initial_states,
         num_accepted_tokens=num_accepted_tokens, spec_query_len=spec_query_len, token_indices=token_indices,
         outer_residual=outer_residual, null_slot=null_slot)
     _ple_conv_op(inputs, residual, conv_state, conv_weights, state_indices, mode, dilation, query_start_loc,
-                 has_initial_states, num_accepted_tokens, spec_query_len, token_indices, outer_residual, null_slot)
+                 has_initial_states, num_accepted_tokens, spec_query_len, token_indices, outer_residual, null_slot,
+                 bool(validate))
 
 
 def _export_impl(inputs: torch.Tensor, conv_state: torch.Tensor, query_start_loc: torch.Tensor,
                  offsets: torch.Tensor, slots: torch.Tensor, state_len: int, token_indices: torch.Tensor | None,
-                 null_slot: int) -> None:
-    call = _checks.export_values(inputs, conv_state, query_start_loc=query_start_loc, offsets=offsets,
-                                 slots=slots, state_len=state_len, token_indices=token_indices,
-                                 null_slot=null_slot)
-    _export_fwd(call, inputs, conv_state, query_start_loc, offsets, slots, state_len, token_indices, null_slot)
+                 null_slot: int, validate: bool) -> None:
+    if validate:
+        _checks.export_values(inputs, conv_state, query_start_loc=query_start_loc, offsets=offsets, slots=slots,
+                              state_len=state_len, token_indices=token_indices, null_slot=null_slot)
+    _export_fwd(inputs, conv_state, query_start_loc, offsets, slots, state_len, token_indices, null_slot)
 
 
 _export_op = register("export_conv_checkpoints", _export_impl, fake=_no_output, mutates_args=("conv_state",))
@@ -409,7 +368,8 @@ _export_op = register("export_conv_checkpoints", _export_impl, fake=_no_output, 
 
 @twin(_reference.export_conv_checkpoints)
 def export_conv_checkpoints(inputs, conv_state, *, query_start_loc, offsets, slots, state_len, token_indices=None,
-                            null_slot=0):
+                            null_slot=0, validate=True):
     _checks.export_meta(inputs, conv_state, query_start_loc=query_start_loc, offsets=offsets, slots=slots,
                         state_len=state_len, token_indices=token_indices, null_slot=null_slot)
-    _export_op(inputs, conv_state, query_start_loc, offsets, slots, state_len, token_indices, null_slot)
+    _export_op(inputs, conv_state, query_start_loc, offsets, slots, state_len, token_indices, null_slot,
+               bool(validate))

@@ -14,7 +14,8 @@ Kernel design:
 The gradient is dense ``[rows, D]``, like ``F.embedding``'s default; for a sparse one see
 ``ple.reference.embedding_lookup_sparse_grad`` (``PLELayer(sparse_table_grad=True)``).
 Registered as ``torch.ops.ple.embedding_lookup`` (autograd: ``ple.embedding_lookup_backward``);
-the public ``embedding_lookup`` checks the metadata, the op checks the ids' range.
+the public ``embedding_lookup`` checks the metadata, the op checks the ids' range unless
+``validate=False`` (then no device-to-host synchronisation: the grid needs only shapes).
 """
 
 from __future__ import annotations
@@ -111,24 +112,25 @@ def _lookup_bwd_fake(grad, ids, num_rows, dtype):
 lookup_backward_op = register("embedding_lookup_backward", _lookup_bwd_impl, fake=_lookup_bwd_fake)
 
 
-def _lookup_impl(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    _checks.lookup_values(weight, ids)
+def _lookup_impl(weight: torch.Tensor, ids: torch.Tensor, validate: bool) -> torch.Tensor:
+    if validate:
+        _checks.lookup_values(weight, ids)
     return _lookup_fwd(weight, ids)
 
 
-def _lookup_fake(weight, ids):
+def _lookup_fake(weight, ids, validate):
     return weight.new_empty((ids.shape[0], ids.shape[1] * weight.shape[1]))
 
 
 def _lookup_setup(ctx, inputs, output):
-    weight, ids = inputs
+    weight, ids, _ = inputs
     ctx.save_for_backward(ids)
     ctx.num_rows, ctx.dtype = weight.shape[0], weight.dtype
 
 
 def _lookup_backward(ctx, grad):
     (ids,) = ctx.saved_tensors
-    return lookup_backward_op(grad.contiguous(), ids, ctx.num_rows, ctx.dtype), None
+    return lookup_backward_op(grad.contiguous(), ids, ctx.num_rows, ctx.dtype), None, None
 
 
 _lookup_op = register("embedding_lookup", _lookup_impl, fake=_lookup_fake, backward=_lookup_backward,
@@ -136,6 +138,6 @@ _lookup_op = register("embedding_lookup", _lookup_impl, fake=_lookup_fake, backw
 
 
 @twin(_reference.embedding_lookup)
-def embedding_lookup(weight, ids):
+def embedding_lookup(weight, ids, *, validate=True):
     _checks.lookup_meta(weight, ids)
-    return _lookup_op(weight, ids)
+    return _lookup_op(weight, ids, bool(validate))

@@ -28,7 +28,8 @@ All address arithmetic is int64; every input is addressed through its strides.
 
 Registered as ``torch.ops.ple.ngram_ids`` and ``torch.ops.ple.ngram_embedding``: the public
 functions check the metadata (``ple._checks.ngram_meta``), the ops the values
-(``query_start_loc``, token ids) at run time.
+(``query_start_loc``, token ids) at run time unless ``validate=False``; the launch itself
+needs only shapes (grid from ``T``, search steps from ``R``), so then nothing is read back.
 """
 
 from __future__ import annotations
@@ -157,16 +158,18 @@ def _hash(input_ids, multipliers, head_sizes, head_offsets, P, eos_token_id, que
 
 def _ngram_ids_impl(input_ids: torch.Tensor, multipliers: torch.Tensor, head_sizes: torch.Tensor,
                     head_offsets: torch.Tensor, vocab_size: int, heads_per_ngram: int, eos_token_id: int,
-                    query_start_loc: torch.Tensor | None, ngram_context: torch.Tensor | None) -> torch.Tensor:
-    _checks.ngram_values(input_ids, HashParams(multipliers, head_sizes, head_offsets, 0, vocab_size), heads_per_ngram,
-                         eos_token_id, query_start_loc, ngram_context)
+                    query_start_loc: torch.Tensor | None, ngram_context: torch.Tensor | None,
+                    validate: bool) -> torch.Tensor:
+    if validate:
+        _checks.ngram_values(input_ids, HashParams(multipliers, head_sizes, head_offsets, 0, vocab_size),
+                             heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
     ids, _ = _hash(input_ids, multipliers, head_sizes, head_offsets, heads_per_ngram, eos_token_id,
                    query_start_loc, ngram_context)
     return ids
 
 
 def _ngram_ids_fake(input_ids, multipliers, head_sizes, head_offsets, vocab_size, heads_per_ngram, eos_token_id,
-                    query_start_loc, ngram_context):
+                    query_start_loc, ngram_context, validate):
     return input_ids.new_empty((input_ids.shape[0], head_sizes.shape[0]), dtype=torch.int64)
 
 
@@ -174,10 +177,11 @@ _ngram_ids_op = register("ngram_ids", _ngram_ids_impl, fake=_ngram_ids_fake)
 
 
 @twin(_reference.ngram_ids)
-def ngram_ids(input_ids, params, *, heads_per_ngram, eos_token_id, query_start_loc=None, ngram_context=None):
+def ngram_ids(input_ids, params, *, heads_per_ngram, eos_token_id, query_start_loc=None, ngram_context=None,
+              validate=True):
     _checks.ngram_meta(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
     return _ngram_ids_op(input_ids, params.multipliers, params.head_sizes, params.head_offsets, params.vocab_size,
-                         heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
+                         heads_per_ngram, eos_token_id, query_start_loc, ngram_context, bool(validate))
 
 
 def _ngram_embedding_bwd_impl(grad: torch.Tensor, input_ids: torch.Tensor, multipliers: torch.Tensor,
@@ -202,21 +206,22 @@ _ngram_embedding_bwd_op = register("ngram_embedding_backward", _ngram_embedding_
 def _ngram_embedding_impl(weight: torch.Tensor, input_ids: torch.Tensor, multipliers: torch.Tensor,
                           head_sizes: torch.Tensor, head_offsets: torch.Tensor, vocab_size: int,
                           heads_per_ngram: int, eos_token_id: int, query_start_loc: torch.Tensor | None,
-                          ngram_context: torch.Tensor | None) -> torch.Tensor:
-    _checks.ngram_values(input_ids, HashParams(multipliers, head_sizes, head_offsets, 0, vocab_size), heads_per_ngram,
-                         eos_token_id, query_start_loc, ngram_context, weight=weight)
+                          ngram_context: torch.Tensor | None, validate: bool) -> torch.Tensor:
+    if validate:
+        _checks.ngram_values(input_ids, HashParams(multipliers, head_sizes, head_offsets, 0, vocab_size),
+                             heads_per_ngram, eos_token_id, query_start_loc, ngram_context, weight=weight)
     _, emb = _hash(input_ids, multipliers, head_sizes, head_offsets, heads_per_ngram, eos_token_id,
                    query_start_loc, ngram_context, weight=weight, write_ids=False)
     return emb
 
 
 def _ngram_embedding_fake(weight, input_ids, multipliers, head_sizes, head_offsets, vocab_size, heads_per_ngram,
-                          eos_token_id, query_start_loc, ngram_context):
+                          eos_token_id, query_start_loc, ngram_context, validate):
     return weight.new_empty((input_ids.shape[0], head_sizes.shape[0] * weight.shape[1]))
 
 
 def _ngram_embedding_setup(ctx, inputs, output):
-    weight, input_ids, mult, sizes, offsets, vocab, P, eos, qsl, context = inputs
+    weight, input_ids, mult, sizes, offsets, vocab, P, eos, qsl, context, _ = inputs
     ctx.save_for_backward(input_ids, mult, sizes, offsets, qsl, context)
     ctx.meta = (P, eos, weight.shape[0], weight.dtype)
 
@@ -226,7 +231,7 @@ def _ngram_embedding_backward(ctx, grad):
     P, eos, rows, dtype = ctx.meta
     dw = _ngram_embedding_bwd_op(grad.contiguous(), input_ids, mult, sizes, offsets, P, eos, qsl, context, rows,
                                  dtype)
-    return (dw,) + (None,) * 9
+    return (dw,) + (None,) * 10
 
 
 _ngram_embedding_op = register("ngram_embedding", _ngram_embedding_impl, fake=_ngram_embedding_fake,
@@ -235,16 +240,18 @@ _ngram_embedding_op = register("ngram_embedding", _ngram_embedding_impl, fake=_n
 
 def ngram_embedding(weight: torch.Tensor, input_ids: torch.Tensor, params: HashParams, *,
                     heads_per_ngram: int, eos_token_id: int, query_start_loc: torch.Tensor | None = None,
-                    ngram_context: torch.Tensor | None = None) -> torch.Tensor:
+                    ngram_context: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
     """Hash and gather in one kernel: ``[T, NH * D]`` in ``weight``'s dtype.
 
     An extra of ``ple.fast`` (no reference twin): equal, bit for bit, to
     ``embedding_lookup(weight, ngram_ids(input_ids, params, ...))``, without writing the
     ``[T, NH]`` ids to memory (the backward hashes again to scatter the gradient by id).
     ``weight`` is the table ``[rows, D]``; every row the hash can address,
-    ``head_offsets[-1] + head_sizes[-1]``, must exist.
+    ``head_offsets[-1] + head_sizes[-1]``, must exist. ``validate=False`` skips the value checks
+    (token ids, offsets, table rows): no device-to-host synchronisation, the caller vouches for them.
     """
     _checks.ngram_meta(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context,
                        weight=weight)
     return _ngram_embedding_op(weight, input_ids, params.multipliers, params.head_sizes, params.head_offsets,
-                               params.vocab_size, heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
+                               params.vocab_size, heads_per_ngram, eos_token_id, query_start_loc, ngram_context,
+                               bool(validate))

@@ -3,9 +3,11 @@
 Same name, signature and numbers as ``ple.reference.training_conv.dilated_causal_conv``.
 
 Three kernels, all tiled ``(time tiles, channel blocks)``: dense ``[B, L, C]`` tiles are
-computed from the program id; packed ``[T, C]`` with ``cu_seqlens`` uses a per-tile table
-``[(sequence, first position)]`` built on the host (``_numerics.tile_table``), and reads
-``cu_seqlens`` through its stride. Forward writes ``y``. Backward recomputes the
+computed from the program id; packed ``[T, C]`` with ``cu_seqlens`` launches
+``T // BLOCK_T + B`` programs (an upper bound from shapes, ``_numerics.tile_grid``) and each
+finds its (sequence, first position) by a binary search over ``cu_seqlens`` on the device
+(``_numerics.tile_of``, read through its stride); a program past its sequence's rows does
+nothing. No host values: the backward reads none either. Forward writes ``y``. Backward recomputes the
 pre-activation (only ``x`` and ``weight`` are saved), writes ``g' = dy * silu'(preact)``
 rounded to ``x``'s dtype (as the reference's autograd rounds it) and adds each tile's
 ``sum_t g'_t * x_{t - lag_j}`` into a float32 (float64 for float64 inputs) ``[C, K]``
@@ -18,7 +20,8 @@ arguments are ``do_not_specialize``.
 
 Registered as ``torch.ops.ple.dilated_causal_conv`` (autograd:
 ``ple.dilated_causal_conv_backward``): the public function checks the metadata
-(``ple._checks.dense_conv_meta``), the op the values of ``cu_seqlens`` at run time.
+(``ple._checks.dense_conv_meta``), the op the values of ``cu_seqlens`` at run time unless
+``validate=False`` (then no device-to-host synchronisation at all, forward or backward).
 """
 
 from __future__ import annotations
@@ -30,19 +33,21 @@ import triton.language as tl
 from .. import _checks
 from ..reference import training_conv as _reference
 from ._library import register, twin
-from ._numerics import TIME_BLOCK, acc_dtype, block_c, down, is_fp64, rnd, silu, tile_table, up
+from ._numerics import TIME_BLOCK, acc_dtype, block_c, down, is_fp64, rnd, search_steps, silu, tile_grid, tile_of, up
 
 __all__ = ["dilated_causal_conv"]
 
 
 @triton.jit
-def _tile(tiles_ptr, cu_ptr, stride_cu_r, L, tiles_per_seq, C, IS_VARLEN: tl.constexpr, BLOCK_T: tl.constexpr,
+def _tile(cu_ptr, stride_cu_r, L, tiles_per_seq, C, IS_VARLEN: tl.constexpr, BLOCK_T: tl.constexpr,
           BLOCK_C: tl.constexpr):
-    """This program's tile: (first row of its sequence, batch index, positions, channels, their masks)."""
+    """This program's tile: (first row of its sequence, batch index, positions, channels, their masks).
+
+    Packed (``IS_VARLEN``): ``L`` is the number of sequences and ``tiles_per_seq`` the search steps.
+    """
     pid64 = tl.program_id(0).to(tl.int64)
     if IS_VARLEN:
-        seq = tl.load(tiles_ptr + 2 * pid64).to(tl.int64)
-        t0 = tl.load(tiles_ptr + 2 * pid64 + 1).to(tl.int64)
+        seq, t0 = tile_of(pid64, cu_ptr, stride_cu_r, L, tiles_per_seq, BLOCK_T)
         lo = tl.load(cu_ptr + seq * stride_cu_r).to(tl.int64)
         n = tl.load(cu_ptr + (seq + 1) * stride_cu_r).to(tl.int64) - lo
         b = pid64 * 0
@@ -78,7 +83,7 @@ def _preact(x_ptr, w_ptr, xb, p, pmask, c, cmask, stride_x_t, stride_x_c, stride
 
 @triton.jit(do_not_specialize=["L", "tiles_per_seq", "stride_x_b", "stride_y_b"])
 def _dcc_fwd_kernel(
-    x_ptr, w_ptr, y_ptr, cu_ptr, tiles_ptr,
+    x_ptr, w_ptr, y_ptr, cu_ptr,
     L, tiles_per_seq, C, stride_cu_r,
     stride_x_b, stride_x_t, stride_x_c, stride_y_b, stride_y_t, stride_y_c, stride_w_c, stride_w_k,
     K: tl.constexpr, DILATION: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -87,8 +92,7 @@ def _dcc_fwd_kernel(
 ):
     """``y = silu(conv(x))`` for one (time tile, channel block) of one sequence."""
     XT = x_ptr.dtype.element_ty
-    lo, b, n, p, c, pmask, cmask = _tile(tiles_ptr, cu_ptr, stride_cu_r, L, tiles_per_seq, C, IS_VARLEN, BLOCK_T,
-                                         BLOCK_C)
+    lo, b, n, p, c, pmask, cmask = _tile(cu_ptr, stride_cu_r, L, tiles_per_seq, C, IS_VARLEN, BLOCK_T, BLOCK_C)
     a = _preact(x_ptr, w_ptr, b * stride_x_b + lo * stride_x_t, p, pmask, c, cmask, stride_x_t, stride_x_c,
                 stride_w_c, stride_w_k, K, DILATION, IS_X_BF16, IS_W_BF16, IS_FP64, BLOCK_T, BLOCK_C)
     y = down(silu(a), XT, IS_X_BF16)
@@ -99,7 +103,7 @@ def _dcc_fwd_kernel(
 
 @triton.jit(do_not_specialize=["L", "tiles_per_seq", "stride_x_b", "stride_dy_b", "stride_g_b"])
 def _dcc_bwd_gw_kernel(
-    x_ptr, w_ptr, dy_ptr, g_ptr, dw_ptr, cu_ptr, tiles_ptr,
+    x_ptr, w_ptr, dy_ptr, g_ptr, dw_ptr, cu_ptr,
     L, tiles_per_seq, C, stride_cu_r,
     stride_x_b, stride_x_t, stride_x_c, stride_dy_b, stride_dy_t, stride_dy_c,
     stride_g_b, stride_g_t, stride_g_c, stride_w_c, stride_w_k,
@@ -109,8 +113,7 @@ def _dcc_bwd_gw_kernel(
 ):
     """``g' = dy * silu'(preact)`` (rounded to x's dtype) and ``dw[c, j] += sum_t g'_t x_{t-lag_j}``."""
     XT = x_ptr.dtype.element_ty
-    lo, b, n, p, c, pmask, cmask = _tile(tiles_ptr, cu_ptr, stride_cu_r, L, tiles_per_seq, C, IS_VARLEN, BLOCK_T,
-                                         BLOCK_C)
+    lo, b, n, p, c, pmask, cmask = _tile(cu_ptr, stride_cu_r, L, tiles_per_seq, C, IS_VARLEN, BLOCK_T, BLOCK_C)
     m = pmask[:, None] & cmask[None, :]
     xb = b * stride_x_b + lo * stride_x_t
     a = _preact(x_ptr, w_ptr, xb, p, pmask, c, cmask, stride_x_t, stride_x_c, stride_w_c, stride_w_k,
@@ -134,7 +137,7 @@ def _dcc_bwd_gw_kernel(
 
 @triton.jit(do_not_specialize=["L", "tiles_per_seq", "stride_g_b", "stride_dx_b"])
 def _dcc_bwd_dx_kernel(
-    g_ptr, w_ptr, dx_ptr, cu_ptr, tiles_ptr,
+    g_ptr, w_ptr, dx_ptr, cu_ptr,
     L, tiles_per_seq, C, stride_cu_r,
     stride_g_b, stride_g_t, stride_g_c, stride_dx_b, stride_dx_t, stride_dx_c, stride_w_c, stride_w_k,
     K: tl.constexpr, DILATION: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -143,8 +146,7 @@ def _dcc_bwd_dx_kernel(
 ):
     """``dx_t = sum_j w_j g'_{t + lag_j}`` over the taps that stay inside the sequence."""
     XT = dx_ptr.dtype.element_ty
-    lo, b, n, p, c, pmask, cmask = _tile(tiles_ptr, cu_ptr, stride_cu_r, L, tiles_per_seq, C, IS_VARLEN, BLOCK_T,
-                                         BLOCK_C)
+    lo, b, n, p, c, pmask, cmask = _tile(cu_ptr, stride_cu_r, L, tiles_per_seq, C, IS_VARLEN, BLOCK_T, BLOCK_C)
     gb = b * stride_g_b + lo * stride_g_t
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     if IS_FP64:
@@ -170,40 +172,41 @@ def _strides(name: str, t: torch.Tensor) -> dict:
     return {f"stride_{name}_b": b, f"stride_{name}_t": s_t, f"stride_{name}_c": s_c}
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, dilation: int, cu_seqlens, starts: list[int] | None):
-    """(grid, the arguments every training kernel takes), or (None, None) for an empty grid."""
+def _launch(x: torch.Tensor, weight: torch.Tensor, dilation: int, cu_seqlens):
+    """(grid, the arguments every training kernel takes), or (None, None) for an empty grid; shapes only."""
     C, K = weight.shape
     bc = block_c(C)
-    if starts is not None:                                      # packed with cu_seqlens: a tile table
-        tiles = tile_table(starts, TIME_BLOCK, x.device)
-        grid, L, per_seq = (tiles.shape[0], triton.cdiv(C, bc)), 0, 0
+    if cu_seqlens is not None:                                  # packed: tiles found on the device
+        B = cu_seqlens.numel() - 1
+        grid, L, per_seq = (tile_grid(x.shape[0], B, TIME_BLOCK), triton.cdiv(C, bc)), B, search_steps(B)
+        if B == 0:
+            grid = (0, 0)
     else:
-        tiles = x                                               # placeholders: never read
         B, L = (x.shape[0], x.shape[1]) if x.dim() == 3 else (1, x.shape[0])
         per_seq = triton.cdiv(L, TIME_BLOCK)
         grid = (B * per_seq, triton.cdiv(C, bc))
     if grid[0] == 0 or grid[1] == 0:
         return None, None
-    cu = cu_seqlens if starts is not None else x.view(-1)
+    cu = cu_seqlens if cu_seqlens is not None else x.view(-1)   # placeholder: never read
     return grid, dict(
-        w_ptr=weight, cu_ptr=cu, tiles_ptr=tiles, L=L, tiles_per_seq=per_seq, C=C, stride_cu_r=cu.stride(0),
+        w_ptr=weight, cu_ptr=cu, L=L, tiles_per_seq=per_seq, C=C, stride_cu_r=cu.stride(0),
         stride_w_c=weight.stride(0), stride_w_k=weight.stride(1), K=K, DILATION=dilation,
-        IS_VARLEN=starts is not None, IS_X_BF16=x.dtype == torch.bfloat16,
+        IS_VARLEN=cu_seqlens is not None, IS_X_BF16=x.dtype == torch.bfloat16,
         IS_W_BF16=weight.dtype == torch.bfloat16, IS_FP64=is_fp64(x.dtype), BLOCK_T=TIME_BLOCK, BLOCK_C=bc)
 
 
-def _fwd(x, weight, dilation, cu_seqlens, starts):
+def _fwd(x, weight, dilation, cu_seqlens):
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    grid, common = _launch(x, weight, dilation, cu_seqlens, starts)
+    grid, common = _launch(x, weight, dilation, cu_seqlens)
     if grid is not None:
         _dcc_fwd_kernel[grid](x_ptr=x, y_ptr=y, **_strides("x", x), **_strides("y", y), **common)
     return y
 
 
-def _bwd(dy, x, weight, dilation, cu_seqlens, starts):
+def _bwd(dy, x, weight, dilation, cu_seqlens):
     """``(dx, dweight)``."""
     dw = torch.zeros(weight.shape, dtype=acc_dtype(x.dtype), device=x.device)
-    grid, common = _launch(x, weight, dilation, cu_seqlens, starts)
+    grid, common = _launch(x, weight, dilation, cu_seqlens)
     if grid is None:
         return torch.zeros(x.shape, dtype=x.dtype, device=x.device), dw.to(weight.dtype)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -219,9 +222,8 @@ def _bwd(dy, x, weight, dilation, cu_seqlens, starts):
 
 def _bwd_impl(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dilation: int,
               cu_seqlens: torch.Tensor | None) -> list[torch.Tensor]:
-    # The forward validated cu_seqlens; the backward only needs its values again for the tiles.
-    starts = None if cu_seqlens is None else _checks.host_values("cu_seqlens", cu_seqlens).tolist()
-    return list(_bwd(dy.contiguous(), x, weight, dilation, cu_seqlens, starts))
+    # The forward validated cu_seqlens (or was told not to); the tiles are found on the device.
+    return list(_bwd(dy.contiguous(), x, weight, dilation, cu_seqlens))
 
 
 def _bwd_fake(dy, x, weight, dilation, cu_seqlens):
@@ -231,16 +233,19 @@ def _bwd_fake(dy, x, weight, dilation, cu_seqlens):
 _bwd_op = register("dilated_causal_conv_backward", _bwd_impl, fake=_bwd_fake)
 
 
-def _fwd_impl(x: torch.Tensor, weight: torch.Tensor, dilation: int, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    return _fwd(x, weight, dilation, cu_seqlens, _checks.dense_conv_values(x, weight, dilation, cu_seqlens).starts)
+def _fwd_impl(x: torch.Tensor, weight: torch.Tensor, dilation: int, cu_seqlens: torch.Tensor | None,
+              validate: bool) -> torch.Tensor:
+    if validate:
+        _checks.dense_conv_values(x, weight, dilation, cu_seqlens)
+    return _fwd(x, weight, dilation, cu_seqlens)
 
 
-def _fwd_fake(x, weight, dilation, cu_seqlens):
+def _fwd_fake(x, weight, dilation, cu_seqlens, validate):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 def _setup(ctx, inputs, output):
-    x, weight, dilation, cu_seqlens = inputs
+    x, weight, dilation, cu_seqlens, _ = inputs
     ctx.save_for_backward(x, weight, cu_seqlens)
     ctx.dilation = dilation
 
@@ -248,13 +253,13 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dy):
     x, weight, cu_seqlens = ctx.saved_tensors
     dx, dw = _bwd_op(dy, x, weight, ctx.dilation, cu_seqlens)
-    return dx, dw, None, None
+    return dx, dw, None, None, None
 
 
 _op = register("dilated_causal_conv", _fwd_impl, fake=_fwd_fake, backward=_backward, setup_context=_setup)
 
 
 @twin(_reference.dilated_causal_conv)
-def dilated_causal_conv(x, weight, *, dilation, cu_seqlens=None):
+def dilated_causal_conv(x, weight, *, dilation, cu_seqlens=None, validate=True):
     _checks.dense_conv_meta(x, weight, dilation, cu_seqlens)
-    return _op(x, weight, dilation, cu_seqlens)
+    return _op(x, weight, dilation, cu_seqlens, bool(validate))

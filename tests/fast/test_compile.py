@@ -14,28 +14,31 @@ try:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from ple.fast import conv as F, training_conv as TC
+    from ple.fast import conv as F, conv_decode as D, training_conv as TC
     ASTSource(F._export_kernel, {n: "i32" for n in F._export_kernel.arg_names})
 except Exception as e:  # no CUDA backend or another ahead-of-time API: nothing to check here
     print(f"ahead-of-time compilation unavailable: {e!r}")
     sys.exit(3)
 
-def build(kernel, ptrs, consts, floats=()):
+def build(kernel, ptrs, consts, floats=(), num_warps=4, aligned=(), attrs=None):
+    """Compile for sm_90; ``aligned``: integer arguments Triton would see as multiples of 16 (and every pointer)."""
     sig = {n: "constexpr" if n in consts else "fp32" if n in floats else ptrs.get(n, "i32")
            for n in kernel.arg_names}
-    triton.compile(ASTSource(kernel, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+    attrs = {(kernel.arg_names.index(n),): [["tt.divisibility", 16]]
+             for n in kernel.arg_names if n in aligned or (n.endswith("_ptr") and aligned)}
+    return triton.compile(ASTSource(kernel, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps))
 
 step = dict(K=4, DILATION=3, HAS_TOKEN_INDICES=True, IS_X_BF16=True, IS_STATE_BF16=False,
-            IS_STATE_SAME_DTYPE=False, BLOCK_C=128)
+            IS_STATE_SAME_DTYPE=False, HAS_INIT_FLAGS=True)
 ptrs = dict(x_ptr="*bf16", res_ptr="*bf16", outer_ptr="*bf16", state_ptr="*fp32", w_ptr="*bf16",
-            slot_ptr="*i64", qsl_ptr="*i32", init_ptr="*u8", nat_ptr="*i32", rows_ptr="*i64",
-            tiles_ptr="*i32")
-for mode, block_t in ((F.PREFILL.value, 32), (F.DECODE.value, 1), (F.SPEC.value, 4)):
-    flags = dict(step, MODE=mode, HAS_INIT_FLAGS=mode != F.SPEC.value,
-                 IS_INIT_DEFAULT=int(mode != F.PREFILL.value))
-    build(F._step_out_kernel, ptrs,
-          dict(flags, HAS_OUTER_RESIDUAL=True, IS_W_BF16=True, IS_FP64=False, BLOCK_T=block_t))
-    build(F._step_state_kernel, ptrs, dict(flags, W_OUT=12 if mode == F.SPEC.value else 9))
+            slot_ptr="*i64", qsl_ptr="*i32", init_ptr="*u8", nat_ptr="*i32", rows_ptr="*i64")
+outputs = dict(HAS_OUTER_RESIDUAL=True, IS_W_BF16=True, IS_FP64=False)
+build(F._step_out_kernel, ptrs, dict(step, **outputs, BLOCK_T=32, BLOCK_C=128))
+build(F._step_state_kernel, ptrs, dict(step, BLOCK_C=128))
+for mode, q in ((D.DECODE.value, 1), (D.SPEC.value, 4)):
+    build(D._step_fused_kernel, ptrs, dict(step, **outputs, MODE=mode, Q=q, IS_INIT_DEFAULT=1, BLOCK_C=128),
+          num_warps=D.FUSED_WARPS)
 build(F._export_kernel, dict(x_ptr="*bf16", state_ptr="*fp32", qsl_ptr="*i32", off_ptr="*i64",
                              slots_ptr="*i32", rows_ptr="*i32"),
       dict(HAS_TOKEN_INDICES=True, IS_X_BF16=True, IS_STATE_BF16=False, IS_STATE_SAME_DTYPE=False, BLOCK_C=128))
@@ -61,6 +64,41 @@ build(E._lookup_fwd_kernel, dict(w_ptr="*bf16", ids_ptr="*i64", out_ptr="*bf16")
 build(E._lookup_bwd_kernel, dict(g_ptr="*bf16", ids_ptr="*i64", dw_ptr="*fp32"),
       dict(IS_FP64=False, BLOCK_T=32, BLOCK_D=128))
 print("compiled")
+
+# SASS of the fused decode / spec kernel at the real model's widths (C = 10240, K = 4, d = 3, bfloat16
+# inputs, float32 or bfloat16 state, spec q = 4) in both state layouts, as Triton specialises them
+# (unit strides are constants, C, row strides and pointers multiples of 16).
+import json, re, subprocess, tempfile
+cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def fused_sass(layout, sdt, mode, q):
+    unit = "stride_state_c" if layout == "channels_last" else "stride_state_w"
+    ones = dict.fromkeys(("stride_x_c", "stride_res_c", "stride_outer_c", "stride_w_k", "stride_slot_r",
+                          "stride_qsl_r", "stride_init_r", "stride_nat_r", "stride_rows_t", unit), 1)
+    consts = dict(step, **outputs, **ones, MODE=mode, Q=q, IS_INIT_DEFAULT=1, IS_STATE_BF16=sdt == "bf16",
+                  IS_STATE_SAME_DTYPE=sdt == "bf16", HAS_INIT_FLAGS=mode == D.DECODE.value, BLOCK_C=D.FUSED_BLOCK_C)
+    aligned = ("C", "stride_x_t", "stride_res_t", "stride_outer_t", "stride_state_n", "stride_state_c",
+               "stride_state_w")
+    k = build(D._step_fused_kernel, dict(ptrs, state_ptr="*" + sdt, slot_ptr="*i32", rows_ptr="*i32"), consts,
+              num_warps=D.FUSED_WARPS, aligned=tuple(a for a in aligned if a not in ones))
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    sass, usage = (subprocess.run([cuobjdump, flag, f.name], capture_output=True, text=True, check=True).stdout
+                   for flag in ("-sass", "-res-usage"))
+    count = lambda p: len(re.findall(p, sass))  # noqa: E731
+    return dict(layout=layout, state=sdt, q=q, regs=int(re.search(r"REG:(\d+)", usage).group(1)),
+                ldg128=count(r"LDG\.E\.128"), stg128=count(r"STG\.E\.128"), ldg=count(r"LDG\.E"),
+                stg=count(r"STG\.E"), local=count(r"\b(LDL|STL)\b"))
+
+
+try:
+    for layout in ("channels_last", "channels_first"):
+        for sdt in ("fp32", "bf16"):
+            for mode, q in ((D.DECODE.value, 1), (D.SPEC.value, 4)):
+                print("SASS " + json.dumps(fused_sass(layout, sdt, mode, q)))
+except (OSError, subprocess.CalledProcessError) as e:
+    print(f"SASS unavailable: {e!r}")
 '''
 
 
@@ -82,3 +120,24 @@ def test_kernels_compile_for_sm90():
     if proc.returncode == 3:
         pytest.skip(proc.stdout.strip())
     assert proc.returncode == 0 and "compiled" in proc.stdout, proc.stdout + proc.stderr
+    _check_fused_sass(proc.stdout)
+
+
+def _check_fused_sass(stdout: str) -> None:
+    """The fused decode / spec kernel at the model's widths: no local memory (spills) in any layout, and in
+    the channels-last layout every state column, input and residual row moves in 128-bit accesses."""
+    import json
+
+    if "SASS unavailable" in stdout:
+        pytest.skip("cuobjdump cannot run here: " + stdout.split("SASS unavailable:", 1)[1].strip())
+    reports = [json.loads(line[5:]) for line in stdout.splitlines() if line.startswith("SASS ")]
+    assert len(reports) == 8, stdout
+    S = (4 - 1) * 3
+    for rep in reports:
+        assert rep["local"] == 0, f"the fused kernel uses local memory (spills): {rep}"
+        if rep["layout"] == "channels_last":
+            per_column = 2 if rep["state"] == "fp32" else 1          # 8 channels per thread: 32 or 16 bytes
+            q = rep["q"]
+            # loads: S old columns, q rows of inputs, residual and outer residual; stores: the new window, q rows
+            assert rep["ldg128"] >= S * per_column + 3 * q, rep
+            assert rep["stg128"] >= (S + q - 1) * per_column + q, rep

@@ -1,0 +1,168 @@
+"""The fused decode / spec kernel of the serving conv step (SPEC section 6), and what it shares with prefill.
+
+``_step_fused_kernel``, grid ``(requests, channel blocks)``, one launch per decode or spec call.
+Each program owns one request and a block of ``BLOCK_C`` channels, i.e. one (slot, channel
+block), and in this order:
+
+1. **loads** everything it needs once: the slot's old window ``hist[0:S] = state[:, o : o + S]``
+   (``o = num_accepted_tokens[r] - 1`` for spec, 0 for decode; zeros without an initial state),
+   the request's ``Q`` input rows ``hist[S : S + n]`` (``Q`` = 1 for decode, ``spec_query_len``
+   for spec; rows past the request's ``n`` are masked), their residual (and outer residual)
+   rows and the K taps. ``hist`` is a tuple of ``[BLOCK_C]`` vectors indexed by compile-time
+   column numbers, so every tap ``hist[S + i - lag_j]`` of every row i is a register;
+2. computes and stores the outputs of the request's rows from ``hist`` (the old state);
+3. after a CTA barrier (``tl.debug_barrier``), writes the shifted window
+   ``state[:, m] = hist[m + 1]`` for ``m < S + n - 1`` (decode: ``n = 1``, so ``m < S``).
+
+Race-free: every load of the slot precedes the barrier and every store follows it, and
+distinct requests have distinct slots (checked), so no program reads what another writes.
+No serialised load/store chain: all the loads can be in flight together.
+
+Vector accesses: a ``[BLOCK_C]`` vector is contiguous in memory when its channel stride is 1,
+which Triton specialises on (``== 1``, divisibility by 16 of the other strides), so inputs,
+residuals and a channels-last state (a ``[slots, W, C]`` buffer viewed as ``[slots, C, W]``)
+move in 128-bit accesses; rows and slots are scalar loads so the channel vector keeps its
+contiguity. A channels-first state (contiguous in W) is read and written one element per
+channel and column. ``FUSED_BLOCK_C`` channels over ``FUSED_WARPS`` warps give each thread 8
+consecutive channels (16 bytes of bfloat16, two 16-byte vectors of float32).
+
+Interpreter note: as in ``conv``, per-request predicates are ``[BLOCK_C]`` vectors (a splat
+``tl.zeros`` plus the scalar), which the compiler still sees as constant along the vector.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._numerics import convert, down, pow2_block, rnd, silu, up
+
+__all__ = ["PREFILL", "DECODE", "SPEC", "history_source", "launch_fused_step", "FUSED_BLOCK_C", "FUSED_WARPS"]
+
+PREFILL = tl.constexpr(0)
+DECODE = tl.constexpr(1)
+SPEC = tl.constexpr(2)
+
+FUSED_BLOCK_C = 1024     # channels per fused program: 8 per thread over FUSED_WARPS warps
+FUSED_WARPS = 4
+
+
+@triton.jit
+def history_source(r, init_ptr, stride_init_r, nat_ptr, stride_nat_r,
+                   MODE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, IS_INIT_DEFAULT: tl.constexpr):
+    """(reads the state? as a nonzero int, first state column of the history) for request ``r``."""
+    if MODE == SPEC:
+        off = tl.load(nat_ptr + r * stride_nat_r).to(tl.int64) - 1
+        flag = r * 0 + 1                                        # spec always reads its history
+    else:
+        off = r * 0
+        if HAS_INIT_FLAGS:
+            flag = tl.load(init_ptr + r * stride_init_r).to(tl.int64)
+        else:
+            flag = r * 0 + IS_INIT_DEFAULT
+    return flag, off
+
+
+@triton.jit
+def _row(rows_ptr, stride_rows_t, lo, n, i, HAS_TOKEN_INDICES: tl.constexpr):
+    """Physical row of the request's row ``i`` (a scalar, so a channel vector stays contiguous).
+
+    ``i`` is clamped to the request's last row, so the index read stays inside ``token_indices``.
+    """
+    if HAS_TOKEN_INDICES:
+        return tl.load(rows_ptr + (lo + tl.minimum(n - 1, i)) * stride_rows_t).to(tl.int64)
+    else:
+        return lo + i
+
+
+@triton.jit
+def _step_fused_kernel(
+    x_ptr, res_ptr, outer_ptr, state_ptr, w_ptr,
+    slot_ptr, qsl_ptr, init_ptr, nat_ptr, rows_ptr,
+    C, null_slot,
+    stride_x_t, stride_x_c, stride_res_t, stride_res_c, stride_outer_t, stride_outer_c,
+    stride_state_n, stride_state_c, stride_state_w, stride_w_c, stride_w_k,
+    stride_slot_r, stride_qsl_r, stride_init_r, stride_nat_r, stride_rows_t,
+    K: tl.constexpr, DILATION: tl.constexpr, MODE: tl.constexpr, Q: tl.constexpr,
+    HAS_INIT_FLAGS: tl.constexpr, IS_INIT_DEFAULT: tl.constexpr,
+    HAS_TOKEN_INDICES: tl.constexpr, HAS_OUTER_RESIDUAL: tl.constexpr,
+    IS_X_BF16: tl.constexpr, IS_STATE_BF16: tl.constexpr, IS_W_BF16: tl.constexpr,
+    IS_STATE_SAME_DTYPE: tl.constexpr, IS_FP64: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """One decode / spec request on one channel block: outputs from the old window, then the new window."""
+    S: tl.constexpr = (K - 1) * DILATION                        # history length (compile-time)
+    XT = x_ptr.dtype.element_ty
+    ST = state_ptr.dtype.element_ty
+    r = tl.program_id(0).to(tl.int64)
+    if MODE == DECODE:
+        lo = r
+        n = r * 0 + 1
+    else:
+        lo = tl.load(qsl_ptr + r * stride_qsl_r).to(tl.int64)
+        n = tl.load(qsl_ptr + (r + 1) * stride_qsl_r).to(tl.int64) - lo
+    slot = tl.load(slot_ptr + r * stride_slot_r).to(tl.int64)
+    flag, off = history_source(r, init_ptr, stride_init_r, nat_ptr, stride_nat_r, MODE, HAS_INIT_FLAGS,
+                               IS_INIT_DEFAULT)
+    c = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    zc = tl.zeros([BLOCK_C], dtype=tl.int64)                    # predicates as [BC] vectors
+    live = ((zc + slot) != null_slot) & (c < C)                 # null slot: never read or written
+    state_at = state_ptr + slot * stride_state_n + c * stride_state_c
+
+    # 1. Loads. hist[k] (k < S): old state column off + k, in the inputs' dtype (zeros without history).
+    init = live & ((zc + flag) != 0)
+    hist = ()
+    for k in tl.static_range(S):
+        sv = tl.load(state_at + (off + k) * stride_state_w, mask=init, other=0.0)
+        if not IS_STATE_SAME_DTYPE:
+            sv = convert(sv, XT, IS_STATE_BF16, IS_X_BF16)
+        hist = hist + (sv,)
+    res = ()
+    outer = ()
+    for i in tl.static_range(Q):                                # hist[S + i]: the request's row i
+        row = _row(rows_ptr, stride_rows_t, lo, n, i, HAS_TOKEN_INDICES)
+        m_i = (c < C) & ((zc + i) < n)
+        hist = hist + (tl.load(x_ptr + row * stride_x_t + c * stride_x_c, mask=m_i & live, other=0.0),)
+        res = res + (tl.load(res_ptr + row * stride_res_t + c * stride_res_c, mask=m_i, other=0.0),)
+        if HAS_OUTER_RESIDUAL:
+            outer = outer + (tl.load(outer_ptr + row * stride_outer_t + c * stride_outer_c, mask=m_i,
+                                     other=0.0),)
+
+    taps = ()
+    for j in tl.static_range(K):
+        taps = taps + (up(tl.load(w_ptr + c * stride_w_c + j * stride_w_k, mask=live, other=0.0), IS_W_BF16,
+                          IS_FP64),)
+
+    # 2. Outputs of rows i < n, from the old window: residual += silu(conv) (+ outer_residual).
+    for i in tl.static_range(Q):
+        m_i = (c < C) & ((zc + i) < n)
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        if IS_FP64:
+            acc = acc.to(tl.float64)
+        for j in tl.static_range(K):                            # tap j of row i: hist[S + i - lag_j]
+            acc = acc + taps[j] * up(hist[S + i - (K - 1 - j) * DILATION], IS_X_BF16, IS_FP64)
+        y = rnd(silu(rnd(acc, XT, IS_X_BF16, IS_FP64)), XT, IS_X_BF16, IS_FP64)
+        r_i = up(res[i], IS_X_BF16, IS_FP64)
+        out = tl.where(live, rnd(r_i + y, XT, IS_X_BF16, IS_FP64), r_i)
+        row = _row(rows_ptr, stride_rows_t, lo, n, i, HAS_TOKEN_INDICES)
+        res_at = res_ptr + row * stride_res_t + c * stride_res_c
+        if HAS_OUTER_RESIDUAL:                                  # rows of the null slot add it too
+            out = rnd(out + up(outer[i], IS_X_BF16, IS_FP64), XT, IS_X_BF16, IS_FP64)
+            tl.store(res_at, down(out, XT, IS_X_BF16), mask=m_i)
+        else:
+            tl.store(res_at, down(out, XT, IS_X_BF16), mask=m_i & live)
+
+    # 3. The shifted window, after every load of the slot: state[:, m] = hist[m + 1], m < S + n - 1.
+    tl.debug_barrier()
+    for m in tl.static_range(S + Q - 1):
+        v = hist[m + 1]
+        if not IS_STATE_SAME_DTYPE:
+            v = convert(v, ST, IS_X_BF16, IS_STATE_BF16)
+        tl.store(state_at + m * stride_state_w, v, mask=live & ((zc + m) < S + n - 1))
+
+
+def launch_fused_step(args: dict, num_requests: int, C: int, mode: int, spec_query_len: int) -> None:
+    """Launch the fused kernel of one decode / spec call; ``args`` are its pointer, stride and flag arguments."""
+    bc = pow2_block(C, FUSED_BLOCK_C)
+    q = 1 if mode == DECODE.value else spec_query_len
+    _step_fused_kernel[(num_requests, triton.cdiv(C, bc))](MODE=mode, Q=q, BLOCK_C=bc, num_warps=FUSED_WARPS,
+                                                           **args)
