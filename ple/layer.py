@@ -175,9 +175,14 @@ class PLELayer(nn.Module):
         """Whether the table's gradient is sparse (``PLELayer(sparse_table_grad=True)``)."""
         return self.table.sparse_grad
 
-    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows of the table for hash ids ``[T, NH]``, concatenated: ``[T, E]`` in ``dtype`` (``Table.rows``)."""
-        return self.table.rows(ids, dtype, ops=self.ops)
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype, *, validate: bool = True) -> torch.Tensor:
+        """Rows of the table for hash ids ``[T, NH]``, concatenated: ``[T, E]`` in ``dtype`` (``Table.rows``).
+
+        ``forward`` and ``step`` pass ``validate=False``: their ids come from the layer's own
+        hash, whose rows lie in the table by construction, so the range check (a host sync)
+        is skipped.
+        """
+        return self.table.rows(ids, dtype, ops=self.ops, validate=validate)
 
     def start_prefetch(self, input_ids: torch.Tensor, query_start_loc: torch.Tensor | None = None,
                        ngram_context: torch.Tensor | None = None) -> None:
@@ -212,6 +217,10 @@ class PLELayer(nn.Module):
         ``attention_mask`` is bool, integer or float (non-zero keeps). Where it is 0 the
         token hashes as EOS and its gated value and conv input are zeroed before the
         convolution (so left or right padding does not leak into real tokens).
+
+        Under ``torch.compile`` on the reference backend the range check of ``input_ids``
+        (a read of their values) is skipped, so the graph has no break; eager calls and
+        the Triton backend always check it.
         """
         self._check_hidden(hidden_states, 3)
         B, L, C = hidden_states.shape  # batch, length, channels (hc_count * hidden_size)
@@ -227,10 +236,13 @@ class PLELayer(nn.Module):
             keep = attention_mask != 0                            # non-zero keeps, as in transformers
             input_ids = torch.where(keep, input_ids, torch.full_like(input_ids, eos))
         query_start_loc = torch.arange(B + 1, device=dev, dtype=torch.int64) * L
+        # The token range of input_ids is a value check (a host read); the fast ops make it inside their
+        # registered op, at run time; a compiled reference graph skips it (see the docstring).
+        check_values = self.backend == "triton" or not torch.compiler.is_compiling()
         ids = self.ops.ngram_ids(input_ids.reshape(B * L), self.ple_embedding.hash_params(),
                                   heads_per_ngram=self.config.heads_per_ngram, eos_token_id=eos,
-                                  query_start_loc=query_start_loc)
-        emb = self.embed(ids, hidden_states.dtype)                 # [B*L, E]
+                                  query_start_loc=query_start_loc, validate=check_values)
+        emb = self.embed(ids, hidden_states.dtype, validate=False)   # [B*L, E]; ids of our own hash
         gated, conv_input = self.gate(emb, hidden_states.reshape(B * L, C))
         if keep is not None:
             mask = keep.reshape(B * L, 1).to(gated.dtype)

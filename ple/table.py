@@ -26,6 +26,7 @@ dequantization is one elementwise formula (``(q.float() * scale).to(dtype)``).
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -99,32 +100,35 @@ class Table(nn.Module):
         return self._pending
 
     # ---- lookups -----------------------------------------------------------------------------
-    def rows(self, ids: torch.Tensor, dtype: torch.dtype, *, ops) -> torch.Tensor:
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype, *, ops, validate: bool = True) -> torch.Tensor:
         """Rows of hash ids ``[T, NH]`` as ``[T, NH * D]`` in ``dtype`` on ``ids``'s device.
 
         ``ops`` is the backend's op module (its ``embedding_lookup`` gathers on the table's
         device). A pending prefetch of the same ids is used instead of a new gather; a
-        table in host memory is gathered there and the rows copied over.
+        table in host memory is gathered there and the rows copied over. ``validate=False``
+        skips the range check of ``ids`` (a host sync): for ids the layer's own hash made.
         """
         pending, self._pending = self._pending, None
         if pending is not None:
             got = self._take(pending, ids)
             if got is not None:
                 return dequantize_rows(*got, dtype) if self.quantized else got[0].to(dtype)
-        return self.lookup(ids, dtype, ops=ops)
+        return self.lookup(ids, dtype, ops=ops, validate=validate)
 
-    def lookup(self, ids: torch.Tensor, dtype: torch.dtype, *, ops) -> torch.Tensor:
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype, *, ops, validate: bool = True) -> torch.Tensor:
         """`rows` without a prefetch: gathered now."""
         if self.weight.device == ids.device:
+            lookup = functools.partial(ops.embedding_lookup, validate=validate)
             if self.sparse_grad and self.weight.requires_grad and torch.is_grad_enabled():
                 from .reference.embedding import embedding_lookup_sparse_grad
 
-                return embedding_lookup_sparse_grad(self.weight, ids, ops.embedding_lookup).to(dtype)
-            rows, scale = gather_raw(self.weight, self.scale, ids, ops.embedding_lookup)
+                return embedding_lookup_sparse_grad(self.weight, ids, lookup).to(dtype)
+            rows, scale = gather_raw(self.weight, self.scale, ids, lookup)
         else:                                        # offloaded: gather on the host, copy the rows
             from .reference.embedding import embedding_lookup
 
-            rows, scale = gather_raw(self.weight, self.scale, ids.to(self.weight.device), embedding_lookup)
+            host_lookup = functools.partial(embedding_lookup, validate=validate)
+            rows, scale = gather_raw(self.weight, self.scale, ids.to(self.weight.device), host_lookup)
             rows = rows.to(ids.device, non_blocking=rows.is_pinned())
             if scale is not None:
                 scale = scale.to(ids.device, non_blocking=scale.is_pinned())

@@ -34,6 +34,8 @@ are read, and only those rows.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -183,7 +185,8 @@ class ShardedTable(Table):
             if self.scale_kind == "row":
                 row_scale = self.weight_scale.new_zeros(n)
         else:
-            rows, row_scale = gather_raw(self.weight, self.scale, safe, ops.embedding_lookup)
+            lookup = functools.partial(ops.embedding_lookup, validate=False)   # safe ids: in range
+            rows, row_scale = gather_raw(self.weight, self.scale, safe, lookup)
             row_scale = row_scale.reshape(n) if self.scale_kind == "row" else None
         if self.quantized:
             rows = rows.view(torch.uint8) if rows.element_size() == 1 else rows
@@ -203,12 +206,15 @@ class ShardedTable(Table):
             return q.float().reshape(T, NH * self.dim).to(dtype or torch.get_default_dtype())
         return dequantize_rows(q.reshape(T, NH * self.dim), scale, dtype or torch.get_default_dtype())
 
-    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None, *, ops=None) -> torch.Tensor:
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None, *, ops=None,
+             validate: bool = True) -> torch.Tensor:
         """Rows for hash ids ``[T, NH]`` that every rank passes alike: ``[T, NH * dim]``.
 
         Rows come back in ``dtype`` (default: the table's dtype, or the default float
         dtype for a quantized table). ``ops`` is the op module whose
         ``embedding_lookup`` gathers a trainable table's rows (default: the reference).
+        Ids outside the table give zero rows (no rank owns them), so ``validate`` has nothing
+        to check beyond the metadata.
         """
         ops = ops or _reference_ops()
         _checks.tensor("ids", ids, ndim=2, kind="int", device=self.weight.device)

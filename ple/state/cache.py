@@ -64,7 +64,8 @@ class PLECache:
     """
 
     def __init__(self, config: PLEConfig, num_slots: int, *, num_spec_tokens: int = 0,
-                 num_layers: int | None = None, dtype: torch.dtype | None = None, device=None, layout: str = "channels_first"):
+                 num_layers: int | None = None, dtype: torch.dtype | None = None, device=None,
+                 layout: str = "channels_first"):
         if not isinstance(config, PLEConfig):
             raise TypeError(f"config: expected a PLEConfig, got {type(config).__name__}")
         _checks.int_arg("num_slots", num_slots, minimum=2)

@@ -7,7 +7,7 @@ import torch
 from .. import _checks
 from .cache import PLECache, StepBatch
 
-__all__ = ["layer_step", "step_conv", "check_same_config", "STEP_FIELDS"]
+__all__ = ["layer_step", "begin_step", "compute_step", "step_conv", "check_same_config", "STEP_FIELDS"]
 
 
 STEP_FIELDS = ("vocab_size", "hidden_size", "hc_count", "eos_token_id", "ngram_size", "ple_conv_kernel_size",
@@ -31,30 +31,46 @@ def layer_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLEC
     the conv runs once for the spec rows and once per non-spec mode (decodes, then
     prefills), each through ``token_indices`` into the caller's row order, with the
     outer residual (``hidden_states``) fused. Inference only (no autograd).
+
+    Three parts: `begin_step` (checks on the host, the spec -> non-spec realignment),
+    `compute_step` (the tensor work: it reads nothing back from the device and changes no
+    Python state, so a CUDA graph can capture it, see ``ple.state.graphs``) and
+    ``cache.end_layer`` (the bookkeeping).
     """
+    begin_step(layer, hidden_states, batch, cache)
+    out = compute_step(layer, hidden_states, batch, cache)
+    cache.end_layer(batch, layer.ple_layer_index)
+    return out
+
+
+def begin_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLECache) -> None:
+    """Everything a step checks, on the host (metadata only), then the realignment of its windows."""
     if not isinstance(cache, PLECache):
         raise TypeError(f"cache: expected a PLECache, got {type(cache).__name__}")
     index = layer.ple_layer_index
     cache.begin_layer(batch, index)
     layer._check_hidden(hidden_states, 2)
-    T, C = hidden_states.shape  # tokens of the step, channels (hc_count * hidden_size)
+    T = hidden_states.shape[0]  # tokens of the step (padding rows included)
     if T != batch.num_tokens:
         raise ValueError(f"hidden_states: expected {batch.num_tokens} rows (the batch's tokens), got {T}")
     check_same_config(layer.config, cache.config)
     _checks.tensor("hidden_states", hidden_states, device=cache.device)
+    cache.realign_windows(batch, index, cache.conv_state(index))
 
+
+def compute_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLECache) -> torch.Tensor:
+    """The step's tensor work, ``[T, C] -> [T, C]``: the ops run with ``validate=False`` (the plan was
+    validated on the host by ``cache.schedule``), so no tensor becomes a Python value."""
     ops = layer.ops
     cfg = layer.config
     ids = ops.ngram_ids(batch.input_ids, layer.ple_embedding.hash_params(), heads_per_ngram=cfg.heads_per_ngram,
                         eos_token_id=cfg.eos_token_id, query_start_loc=batch.query_start_loc,
-                        ngram_context=batch.ngram_context)
-    emb = layer.embed(ids, hidden_states.dtype)                          # [T, E]
+                        ngram_context=batch.ngram_context, validate=False)
+    emb = layer.embed(ids, hidden_states.dtype, validate=False)          # [T, E]
     out, conv_input = layer.gate(emb, hidden_states)                     # gated becomes the output in place
-    state = cache.conv_state(index)                                      # [num_slots, C, W] view
+    state = cache.conv_state(layer.ple_layer_index)                      # [num_slots, C, W] view
     weights = layer.conv_weights.to(conv_input.dtype)
-    cache.realign_windows(batch, index, state)
     step_conv(ops, conv_input, out, state, weights, batch, cache, outer_residual=hidden_states)
-    cache.end_layer(batch, index)
     return out
 
 
@@ -66,7 +82,8 @@ def step_conv(ops, conv_input: torch.Tensor, residual: torch.Tensor, state: torc
     their prefix-cache checkpoints); ``residual += y (+ outer_residual)`` in place.
     """
     cfg = cache.config
-    common = dict(dilation=cfg.conv_dilation, outer_residual=outer_residual, null_slot=cache.null_slot)
+    common = dict(dilation=cfg.conv_dilation, outer_residual=outer_residual, null_slot=cache.null_slot,
+                  validate=False)                              # the plan was validated by cache.schedule
     if batch.num_spec_decodes:
         ops.ple_conv(conv_input, residual, state, weights, batch.spec_state_indices, mode="spec",
                      query_start_loc=batch.spec_query_start_loc, num_accepted_tokens=batch.num_accepted_tokens,
@@ -85,4 +102,4 @@ def step_conv(ops, conv_input: torch.Tensor, residual: torch.Tensor, state: torc
             ops.export_conv_checkpoints(conv_input, state, query_start_loc=batch.query_start_loc_p,
                                         offsets=batch.checkpoint_offsets, slots=batch.checkpoint_slots,
                                         state_len=cfg.conv_state_len, token_indices=prefill_rows,
-                                        null_slot=cache.null_slot)
+                                        null_slot=cache.null_slot, validate=False)

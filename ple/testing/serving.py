@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..state import Decode, PLECache, Prefill, Spec
+from .conversions import count_host_conversions
 from .numerics import assert_bitwise_equal
 
 __all__ = ["Action", "random_script", "replay", "check_replay", "ReplayResult", "conv_inputs_of_step"]
@@ -98,6 +99,7 @@ class ReplayResult:
     finished: list = field(default_factory=list)      # rids in the order they finished
     state_checks: int = 0
     seconds: float = 0.0
+    conversions: list = field(default_factory=list)   # with count_conversions: (step, what, where) records
 
 
 def conv_inputs_of_step(layer, hidden, batch) -> torch.Tensor:
@@ -110,14 +112,16 @@ def conv_inputs_of_step(layer, hidden, batch) -> torch.Tensor:
 
 
 def replay(layers, cache: PLECache, script, *, generator: torch.Generator | None = None,
-           check_states: bool = True, on_step=None) -> ReplayResult:
+           check_states: bool = True, on_step=None, count_conversions: bool = False) -> ReplayResult:
     """Run ``script`` through ``layers`` (PLE layers in PLE-index order, chained as in the model).
 
     Hidden states of each step are drawn from ``generator``. With ``check_states``
     every live slot's conv state of every layer is compared bit for bit, after every
     step, with the last S accepted conv inputs (zeros before the sequence start),
     taken at the window the next step will read. ``on_step(index, batch, seconds)``
-    is called after each step.
+    is called after each step. With ``count_conversions`` every tensor-to-Python conversion
+    made inside the ``layer.step`` calls is recorded in ``result.conversions``
+    (``ple.testing.conversions``): a serving step must make none.
     """
     layers = list(layers)
     cfg = cache.config
@@ -146,7 +150,12 @@ def replay(layers, cache: PLECache, script, *, generator: torch.Generator | None
         for layer in layers:
             if check_states:
                 conv_in.append(conv_inputs_of_step(layer, h, batch))
-            h = layer.step(h, batch, cache)
+            if count_conversions:
+                with count_host_conversions() as seen:
+                    h = layer.step(h, batch, cache)
+                res.conversions += [(index, what, where) for what, where in seen.records]
+            else:
+                h = layer.step(h, batch, cache)
         seconds = time.perf_counter() - t0
         row = 0
         for a in actions:

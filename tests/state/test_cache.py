@@ -45,14 +45,16 @@ def assert_unchanged(cache, snap):
        num_layers=st.integers(1, 2), layout=st.sampled_from(["channels_first", "channels_last"]),
        num_spec_tokens=st.integers(0, 4))
 def test_schedule_property(config, data, seed, num_layers, layout, num_spec_tokens):
-    """Every accepted token of any schedule equals forward over the whole accepted sequence."""
+    """Every accepted token of any schedule equals forward over the whole accepted sequence, and no
+    step turns a tensor into a Python value (issue 12: the plan carries every host value)."""
     script = data.draw(pst.serving_scripts(config, num_spec_tokens=num_spec_tokens), label="script")
     note(f"config={config}")
     note(f"script={script}")
     layers = make_layers(config, num_layers, seed)
     cache = PLECache(config, 4, num_spec_tokens=num_spec_tokens, num_layers=num_layers, layout=layout)
-    result = replay(layers, cache, script, generator=torch.Generator().manual_seed(seed))
+    result = replay(layers, cache, script, generator=torch.Generator().manual_seed(seed), count_conversions=True)
     check_replay(layers, result)
+    assert result.conversions == [], f"layer.step turned tensors into Python values: {result.conversions[:5]}"
     assert sorted(result.finished) == sorted(result.tokens)
     assert cache.active_slots() == []
 
