@@ -55,17 +55,19 @@ class _Slot:
 class PLECache:
     """Conv states of every PLE layer and the n-gram context of every slot.
 
-    ``conv_states`` is ``[num_layers, num_slots, C, S + num_spec_tokens]`` with the
-    default ``layout="channels_first"``, or ``[num_layers, num_slots, W, C]`` with
-    ``layout="channels_last"``; ``conv_state(i)`` is always the ``[num_slots, C, W]``
-    view the ops take. ``dtype`` defaults to the torch default dtype; inputs are
+    ``conv_states`` is ``[num_layers, num_slots, W, C]`` (``W = S + num_spec_tokens``) with
+    the default ``layout="channels_last"``, or ``[num_layers, num_slots, C, W]`` with
+    ``layout="channels_first"``; ``conv_state(i)`` is always the ``[num_slots, C, W]`` view
+    the ops take. Channels-last is the default because the fused decode / spec kernel
+    moves it in 128-bit accesses along C (a channels-first window is read and written one
+    element per channel; ``ple/fast/conv_decode.py``). ``dtype`` defaults to the torch default dtype; inputs are
     stored in it. ``num_layers`` defaults to the config's PLE layer count (a cache for
     fewer layers serves PLE indices ``0..num_layers-1``; more is a ``ValueError``).
     """
 
     def __init__(self, config: PLEConfig, num_slots: int, *, num_spec_tokens: int = 0,
                  num_layers: int | None = None, dtype: torch.dtype | None = None, device=None,
-                 layout: str = "channels_first"):
+                 layout: str = "channels_last"):
         if not isinstance(config, PLEConfig):
             raise TypeError(f"config: expected a PLEConfig, got {type(config).__name__}")
         _checks.int_arg("num_slots", num_slots, minimum=2)
