@@ -23,16 +23,6 @@ def random_layer(cfg=TINY, index=0, dtype=torch.bfloat16, seed=0) -> PLELayer:
     return _random_layer(cfg, index, dtype, seed)
 
 
-def table_of(gen, rows, D, *, magnitude=1.0, dtype=torch.bfloat16):
-    """A normal table with a few exact zeros, a zero row and an outlier, in ``dtype``."""
-    t = torch.randn(rows, D, generator=gen) * magnitude
-    t[torch.rand(rows, D, generator=gen) < 0.05] = 0.0
-    if rows > 2:
-        t[1] = 0.0
-        t[2, 0] *= 20
-    return t.to(dtype)
-
-
 
 # ---- offload and prefetch -----------------------------------------------------------------------------
 @pytest.mark.interpreter

@@ -25,7 +25,6 @@ from ple.testing.numerics import assert_close
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("poisoned_empty")]
 
-INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -1,10 +1,6 @@
-"""``ple.fast.dilated_causal_conv`` (forward and backward) against ``ple.reference``.
-
-Every test runs the reference and the kernels on identical copies of the same inputs and
-states. Outputs are judged with ``ple.testing.numerics.assert_close`` (bfloat16 against a
-float64 run of the reference), states bit for bit. Buffers are poisoned with NaN wherever
-a correct kernel must not read, so a stray read shows up as NaN in an output, and where
-it must write, so a missed write shows up as a NaN left behind.
+"""``ple.fast.dilated_causal_conv`` (forward and backward) against ``ple.reference``: outputs and both
+gradients judged by ``ple.testing.numerics.assert_close`` (bfloat16 against a float64 run of the
+reference), every buffer the kernels allocate poisoned with NaN so a missed write shows.
 """
 
 from __future__ import annotations
@@ -14,13 +10,12 @@ import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-from ple import fast  # the public ops: torch.library custom ops over ple.fast.conv / training_conv
+from ple import fast  # the public ops: torch.library custom ops
 from ple import reference as ref
 from ple.testing.numerics import assert_close, assert_no_nan
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("poisoned_empty")]
 
-NAN = float("nan")
 CHANNELS = [1, 5, 13, 40]
 
 

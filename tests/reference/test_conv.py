@@ -12,7 +12,6 @@ import random
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, note
 from hypothesis import strategies as st
 
@@ -21,14 +20,6 @@ from ple.testing.numerics import assert_bitwise_equal
 
 NAN = float("nan")
 INDEX_DTYPES = st.sampled_from([torch.int32, torch.int64])
-
-
-def conv1d_reference(x: torch.Tensor, w: torch.Tensor, d: int) -> torch.Tensor:
-    """``silu`` of a depthwise causal conv via ``F.conv1d``: ``x`` ``[B, L, C]``, ``w`` ``[C, K]``."""
-    C, K = w.shape
-    S = (K - 1) * d
-    xp = F.pad(x.transpose(1, 2), (S, 0))  # [B, C, S + L], zeros on the left
-    return F.silu(F.conv1d(xp, w[:, None, :], dilation=d, groups=C)).transpose(1, 2)
 
 
 # ---- ple_conv: random serving streams ---------------------------------------------------------

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 from ple.reference import dilated_causal_conv
 
-NAN = float("nan")
 INDEX_DTYPES = st.sampled_from([torch.int32, torch.int64])
 
 
