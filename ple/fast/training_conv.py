@@ -15,8 +15,11 @@ buffer with ``tl.atomic_add``; a second kernel computes ``dx_t = sum_j w_j g'_{t
 inside each sequence.
 
 Numerics as in ``conv`` (``_numerics``). Recompilation: K, the dilation, the block sizes,
-the dtypes and the flags are compile-time constants; the length and batch-stride
-arguments are ``do_not_specialize``.
+the dtypes and the flags are compile-time constants; the length arguments are
+``do_not_specialize``. The strides, batch strides included, are specialised as Triton does
+(``== 1``, divisible by 16): that is what lets the compiler prove the rows 16-byte aligned
+and issue 128-bit accesses (``benchmarks/codegen.py``: 97-99 % of the dense kernels' load
+bytes, and no spill in the dW kernel), at the cost of one compile per such stride class.
 
 Registered as ``torch.ops.ple.dilated_causal_conv`` (autograd:
 ``ple.dilated_causal_conv_backward``): the public function checks the metadata
@@ -81,7 +84,7 @@ def _preact(x_ptr, w_ptr, xb, p, pmask, c, cmask, stride_x_t, stride_x_c, stride
     return rnd(acc, XT, IS_X_BF16, IS_FP64)
 
 
-@triton.jit(do_not_specialize=["L", "tiles_per_seq", "stride_x_b", "stride_y_b"])
+@triton.jit(do_not_specialize=["L", "tiles_per_seq"])
 def _dcc_fwd_kernel(
     x_ptr, w_ptr, y_ptr, cu_ptr,
     L, tiles_per_seq, C, stride_cu_r,
@@ -101,7 +104,7 @@ def _dcc_fwd_kernel(
              mask=pmask[:, None] & cmask[None, :])
 
 
-@triton.jit(do_not_specialize=["L", "tiles_per_seq", "stride_x_b", "stride_dy_b", "stride_g_b"])
+@triton.jit(do_not_specialize=["L", "tiles_per_seq"])
 def _dcc_bwd_gw_kernel(
     x_ptr, w_ptr, dy_ptr, g_ptr, dw_ptr, cu_ptr,
     L, tiles_per_seq, C, stride_cu_r,
@@ -135,7 +138,7 @@ def _dcc_bwd_gw_kernel(
         tl.atomic_add(dw_ptr + c * K + j, tl.sum(g * xv, axis=0), mask=cmask)   # dw: [C, K] contiguous
 
 
-@triton.jit(do_not_specialize=["L", "tiles_per_seq", "stride_g_b", "stride_dx_b"])
+@triton.jit(do_not_specialize=["L", "tiles_per_seq"])
 def _dcc_bwd_dx_kernel(
     g_ptr, w_ptr, dx_ptr, cu_ptr,
     L, tiles_per_seq, C, stride_cu_r,
