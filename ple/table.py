@@ -180,22 +180,20 @@ class Table(nn.Module):
         self._pending = start_fetch(self.weight, self.scale, ids, torch.device(device))
 
     def _apply(self, fn, recurse=True):
-        # A quantized table's tensors are presented as integer views while `fn` runs, so device
+        # A quantized table's buffers are presented as integer views while `fn` runs, so device
         # moves apply to them and dtype casts (which touch floating-point tensors only) do not.
+        # (Every table that is quantized holds its tensors as buffers, never as parameters.)
         if not self.quantized:
             return super()._apply(fn, recurse)
-        held = [(d, k, d[k]) for d in (self._parameters, self._buffers) for k in ("weight", "weight_scale")
-                if d.get(k) is not None]
-        for d, k, t in held:
-            v = t.detach().view(torch.int32 if k == "weight_scale" else torch.uint8) \
-                if t.dtype.is_floating_point else t.detach()
-            d[k] = nn.Parameter(v, requires_grad=False) if d is self._parameters else v
+        held = {k: t for k, t in self._buffers.items() if k in ("weight", "weight_scale") and t is not None}
+        for k, t in held.items():
+            if t.dtype.is_floating_point:
+                self._buffers[k] = t.view(torch.int32 if k == "weight_scale" else torch.uint8)
         try:
             super()._apply(fn, recurse)
         finally:
-            for d, k, t in held:
-                v = d[k].detach().view(t.dtype)
-                d[k] = nn.Parameter(v, requires_grad=False) if d is self._parameters else v
+            for k, t in held.items():
+                self._buffers[k] = self._buffers[k].view(t.dtype)
         return self
 
 
