@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .items import Spec
+
 __all__ = ["StepBatch", "StepHost", "build_plan"]
 
 
@@ -116,21 +118,17 @@ def host_layout(cache, parsed, pad_to: int | None) -> tuple[StepHost, dict]:
     null, eos = cache.null_slot, cache.config.eos_token_id
     N1 = cache.config.context_len
     slots = cache._slots
-    kind = {id(item): type(item).__name__ for item, _ in parsed}
     rows = [(item, list(t), list(slots[item.slot].context)) for item, t in parsed]
-    pad_rows = 0
-    if pad_to is not None:                       # null-slot requests of the batch's own shape
-        q = 1 if all(kind[id(i)] == "Decode" for i, _, _ in rows) else cache.num_spec_tokens + 1
-        pad_rows = pad_to - len(rows)
-        rows += [(None, [eos] * q, [eos] * N1)] * pad_rows
-    lengths = [len(t) for _, t, _ in rows]
-    starts = _cumsum(lengths)
-
-    pad_kind = "Spec" if "Spec" in kind.values() else "Decode"
+    # Padding rows (item None) are null-slot requests of the batch's own shape: decodes, or full spec steps.
+    pad_kind = "Spec" if any(isinstance(item, Spec) for item, _ in parsed) else "Decode"
+    if pad_to is not None:
+        q = 1 if pad_kind == "Decode" else cache.num_spec_tokens + 1
+        rows += [(None, [eos] * q, [eos] * N1)] * (pad_to - len(rows))
+    starts = _cumsum(len(t) for _, t, _ in rows)
 
     def group(name):
         return [(r, item, t) for r, (item, t, _) in enumerate(rows)
-                if (kind[id(item)] if item is not None else pad_kind) == name]
+                if (pad_kind if item is None else type(item).__name__) == name]
 
     spec, dec, pre = group("Spec"), group("Decode"), group("Prefill")
 
