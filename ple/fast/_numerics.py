@@ -13,6 +13,11 @@
   per conv program), and the conv kernels' time tiles of variable-length requests, found on
   the device: `tile_grid` (how many programs, from shapes only) and `tile_of` (the request and
   first position of a program's tile, by a binary search over the device offsets).
+* **Deterministic mode.** `deterministic` is PyTorch's own switch,
+  ``torch.use_deterministic_algorithms(True)``: while it is on, every backward kernel of
+  ``ple.fast`` reduces in a fixed order with no float atomics (table gradient, conv ``dW``,
+  ``dvalue``, the norm weights' gradients), so results are bit-identical across runs and
+  across the kernels' block sizes. Off (the default), some reductions use atomics.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import triton.language as tl
 
 from ..reference.gate import acc_dtype
 
-__all__ = ["acc_dtype", "is_fp64", "pow2_block", "block_c", "tile_grid", "search_steps", "tile_of", "TIME_BLOCK",
+__all__ = ["acc_dtype", "is_fp64", "deterministic", "DETERMINISTIC_CHUNK", "pow2_block", "block_c", "tile_grid", "search_steps", "tile_of", "TIME_BLOCK",
            "MAX_BLOCK_C", "bf16_to_f32", "f32_to_bf16", "round_bf16", "up", "down",
            "rnd", "convert", "silu"]
 
@@ -31,6 +36,21 @@ __all__ = ["acc_dtype", "is_fp64", "pow2_block", "block_c", "tile_grid", "search
 def is_fp64(dtype: torch.dtype) -> bool:
     """Whether ``dtype`` accumulates in float64 (``acc_dtype``), the kernels' ``IS_FP64`` flag."""
     return acc_dtype(dtype) == torch.float64
+
+
+def deterministic() -> bool:
+    """Whether the kernels must reduce in a fixed order (``torch.use_deterministic_algorithms``).
+
+    Read on the host at launch time (no device sync). In this mode a gradient reduced over
+    tokens is summed in fixed chunks of `DETERMINISTIC_CHUNK` tokens, each chunk's partial
+    stored separately and the partials added in token order by a second pass, so the bits do
+    not depend on how many tokens a program takes.
+    """
+    return torch.are_deterministic_algorithms_enabled()
+
+
+DETERMINISTIC_CHUNK = 16
+"""Tokens per partial sum of a deterministic reduction (a constant, independent of block sizes)."""
 
 
 def pow2_block(n: int, cap: int) -> int:
