@@ -196,10 +196,45 @@ class PLELayer(nn.Module):
         """
         _start_prefetch(self, input_ids, query_start_loc, ngram_context)
 
+    def project(self, embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[T, E]`` embeddings -> ``(key [T, C], value [T, H])``.
+
+        The reference backend makes the model's two GEMMs (``key_proj``, then ``value_proj``),
+        so its bits are the model's. The Triton backend makes one GEMM over the concatenated
+        ``[C + H, E]`` weight (`kv_weight`) and returns two column views of its ``[T, C + H]``
+        result (the gate reads them through their strides): the embeddings are read once and
+        one GEMM is launched instead of two.
+        """
+        if self.backend != "triton":
+            return F.linear(embeddings, self.key_proj.weight), F.linear(embeddings, self.value_proj.weight)
+        kv = F.linear(embeddings, self.kv_weight())                 # [T, C + H], key columns first
+        C = self.config.hc_hidden_size
+        return kv[:, :C], kv[:, C:]
+
+    def kv_weight(self) -> torch.Tensor:
+        """``cat([key_proj.weight, value_proj.weight])``, ``[C + H, E]`` (key rows first).
+
+        The parameters keep their names (``state_dict`` is unchanged). Where autograd records
+        (a weight requires grad and grad mode is on) or under ``torch.compile`` the
+        concatenation is made in the graph on every call; otherwise it is cached and rebuilt
+        only when either weight's storage or version counter changes (``load_state_dict``,
+        ``.to()``, an optimizer step), at the cost of one more copy of the two weights. A CUDA
+        graph (``ple.state.graphs``) captured after the cache was built reads that copy: capture
+        again after changing the weights.
+        """
+        wk, wv = self.key_proj.weight, self.value_proj.weight
+        if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (wk.requires_grad or wv.requires_grad)):
+            return torch.cat([wk, wv])
+        key = (wk.data_ptr(), wk._version, wk.dtype, wk.device, wv.data_ptr(), wv._version)
+        cached = getattr(self, "_kv_cache", None)
+        if cached is None or cached[0] != key:
+            cached = (key, torch.cat([wk.detach(), wv.detach()]))
+            self._kv_cache = cached
+        return cached[1]
+
     def gate(self, embeddings: torch.Tensor, hidden_states: torch.Tensor):
-        """Project ``[T, E]`` embeddings to key and value and gate them: ``(gated, conv_input)``."""
-        key = F.linear(embeddings, self.key_proj.weight)          # [T, C]
-        value = F.linear(embeddings, self.value_proj.weight)      # [T, H]
+        """Project ``[T, E]`` embeddings to key and value (`project`) and gate them: ``(gated, conv_input)``."""
+        key, value = self.project(embeddings)
         return self.ops.ple_gate(key, value, hidden_states, self.norm_key.weight, self.norm_query.weight,
                                   self.norm_conv.weight, self.config.rms_norm_eps)
 

@@ -134,3 +134,27 @@ def test_step_matches_reference_step_bit_for_bit_in_states():
     # bit-for-bit state property is the replay check above. Here: same slots touched, same zeros.
     assert (caches[0].conv_states == 0).equal(caches[1].conv_states == 0)
     torch.testing.assert_close(caches[0].conv_states, caches[1].conv_states, rtol=1e-5, atol=1e-5)
+
+
+def test_one_kv_gemm_views_and_its_cache_follow_the_weights():
+    """The Triton backend projects with one GEMM over ``cat(key_proj, value_proj)``: same state_dict names,
+    key/value equal to the two separate GEMMs, the cached weight rebuilt after an in-place update, and
+    gradients reaching both parameters through the concatenation."""
+    config = ple.PLEConfig.preset("tiny")
+    (fast,), (ref,) = twin_layers(config, seed=3)
+    assert list(fast.state_dict()) == list(ref.state_dict())
+    emb = torch.randn(5, config.ple_embed_dim)
+    with torch.no_grad():
+        k, v = fast.project(emb)
+        assert torch.equal(k, emb @ fast.key_proj.weight.T) and torch.equal(v, emb @ fast.value_proj.weight.T)
+        cached = fast.kv_weight()
+        assert fast.kv_weight() is cached                          # no rebuild while nothing changed
+        fast.value_proj.weight.mul_(2)                             # an in-place update bumps the version
+        assert torch.equal(fast.project(emb)[1], emb @ fast.value_proj.weight.T)
+        fast.load_state_dict(ref.state_dict())
+        assert torch.equal(fast.project(emb)[0], emb @ ref.key_proj.weight.T)
+    k, v = fast.project(emb)
+    (k.sum() + 2 * v.sum()).backward()
+    ones = torch.ones(5)
+    torch.testing.assert_close(fast.key_proj.weight.grad, (ones @ emb).expand_as(fast.key_proj.weight))
+    torch.testing.assert_close(fast.value_proj.weight.grad, 2 * (ones @ emb).expand_as(fast.value_proj.weight))
