@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _checks
-from .backends import backend_module, resolve_backend, triton_compiled_available
+from .backends import CustomOps, backend_module, resolve_backend, triton_compiled_available
 from .config import PLEConfig
 from .offload import start_prefetch as _start_prefetch
 from .reference.hashing import HashParams, hash_params
@@ -99,6 +99,13 @@ class PLELayer(nn.Module):
     moving the layer with ``.to()`` moves the choice with it). ``layer.backend`` says
     which is in use; it can be changed with ``layer.set_backend``.
 
+    ``ops`` runs the layer on your own ops instead: any object with the op names of
+    ``ple.backends.OP_NAMES`` (``ngram_ids``, ``embedding_lookup``, ``ple_gate``, ``ple_conv``,
+    ``export_conv_checkpoints``, ``dilated_causal_conv``), each with the signature of its
+    ``ple.reference`` twin, e.g. a module of kernels under test (``ple.testing.check_layer``
+    checks such a layer whole). ``layer.backend`` is then ``"custom"``; ``set_backend`` goes
+    back to a built-in backend.
+
     ``sparse_table_grad=True`` makes the table's gradient a sparse tensor of the rows looked
     up (use an optimizer that takes sparse gradients, e.g. ``torch.optim.SparseAdam``); its
     dense value equals the dense gradient. Use it to train the real model's table: its dense
@@ -113,7 +120,8 @@ class PLELayer(nn.Module):
     """
 
     def __init__(self, config: PLEConfig, ple_layer_index: int = 0, *, backend: str = "reference",
-                 device=None, dtype=None, sparse_table_grad: bool = False, table: Table | None = None):
+                 device=None, dtype=None, sparse_table_grad: bool = False, table: Table | None = None,
+                 ops=None):
         super().__init__()
         if not isinstance(config, PLEConfig):
             raise TypeError(f"config: expected a PLEConfig, got {type(config).__name__}")
@@ -135,24 +143,32 @@ class PLELayer(nn.Module):
         self.conv1d = nn.Conv1d(C, C, K, groups=C, dilation=config.conv_dilation, bias=False, **kw)
         nn.init.zeros_(self.conv1d.weight)
         self.set_backend(backend)
+        if ops is not None:
+            self._custom_ops = CustomOps(ops)
 
     # ---- backend -------------------------------------------------------------------------------
     def set_backend(self, backend: str) -> None:
         """Switch the ops this layer runs on (see the class docstring)."""
         resolve_backend(backend)                       # validates the name (and that "triton" can run)
         self._backend_request = backend
+        self._custom_ops = None
 
     @property
     def backend(self) -> str:
-        """The backend in use: ``"reference"`` or ``"triton"`` (``"auto"`` decides by the weights' device)."""
+        """The backend in use: ``"reference"``, ``"triton"`` (``"auto"`` decides by the weights' device), or
+        ``"custom"`` (``PLELayer(ops=...)``)."""
+        if self._custom_ops is not None:
+            return "custom"
         if self._backend_request == "auto":
             on_cuda = self.key_proj.weight.is_cuda
             return "triton" if on_cuda and triton_compiled_available() else "reference"
         return self._backend_request
 
     @property
-    def ops(self) -> ModuleType:
-        """The op module in use: ``ple.reference`` or ``ple.fast``."""
+    def ops(self) -> ModuleType | CustomOps:
+        """The ops in use: ``ple.reference``, ``ple.fast``, or the `CustomOps` of ``PLELayer(ops=...)``."""
+        if self._custom_ops is not None:
+            return self._custom_ops
         return backend_module(self.backend)
 
     # ---- pieces shared by forward and step -----------------------------------------------------

@@ -44,3 +44,15 @@ def test_readme_tour_runs_as_pasted():
     code = text[start:text.index("```", start)]
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert done.returncode == 0, done.stderr
+
+
+def test_readme_test_your_own_kernel_runs_as_pasted():
+    """The "Test your own kernel" block runs, and the planted mistake is reported as the README says."""
+    text = (ROOT / "README.md").read_text()
+    section = text.index("## Test your own kernel")
+    start = text.index("```python\n", section) + len("```python\n")
+    code = text[start:text.index("```", start)]
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    first = done.stdout.strip().splitlines()[0]
+    assert first.startswith("ple_conv prefill: residual differs at request"), done.stdout

@@ -1,6 +1,16 @@
-"""Tools for testing PLE kernels against the reference: tolerances and Hypothesis strategies.
+"""Tools for testing PLE kernels against the reference: the kit, tolerances and Hypothesis strategies.
 
-``ple.testing.numerics`` holds the tolerance table (SPEC section 8) and the
-comparison helpers every equivalence test uses; ``ple.testing.strategies`` holds
-Hypothesis strategies for configs, varlen batches and serving schedules.
+The kit (SPEC section 10): ``check_ngram_ids``, ``check_embedding_lookup``, ``check_ple_gate``,
+``check_ple_conv``, ``check_export_conv_checkpoints``, ``check_dilated_causal_conv`` each take a
+function with the signature of the reference op and drive it through a property test against
+``ple.reference``; ``check_layer(ops)`` checks ``PLELayer(config, ops=ops)`` whole (see
+``ple.testing.kit``). ``ple.testing.numerics`` holds the tolerance table (SPEC section 8) and the
+comparison helpers every equivalence test uses; ``ple.testing.strategies`` holds Hypothesis
+strategies for configs, varlen batches and serving schedules; ``ple.testing.serving`` the replay.
 """
+
+from .kit import (check_dilated_causal_conv, check_embedding_lookup, check_export_conv_checkpoints, check_layer,
+                  check_ngram_ids, check_ple_conv, check_ple_gate, poisoned_empty)
+
+__all__ = ["check_ngram_ids", "check_embedding_lookup", "check_ple_gate", "check_ple_conv",
+           "check_export_conv_checkpoints", "check_dilated_causal_conv", "check_layer", "poisoned_empty"]

@@ -95,6 +95,7 @@ class ReplayResult:
     hidden: dict = field(default_factory=dict)        # rid -> list of [n, C] input rows (accepted)
     outputs: dict = field(default_factory=dict)       # rid -> list of [n, C] output rows (accepted)
     conv_inputs: dict = field(default_factory=dict)   # rid -> per layer, list of [n, C] conv inputs
+    origin: dict = field(default_factory=dict)        # rid -> per accepted token, (step, "prefill"/"decode"/"spec")
     steps: list = field(default_factory=list)         # dicts: prefill/decode/spec counts, tokens, seconds
     finished: list = field(default_factory=list)      # rids in the order they finished
     state_checks: int = 0
@@ -137,7 +138,7 @@ def replay(layers, cache: PLECache, script, *, generator: torch.Generator | None
         for a in actions:
             if a.rid not in slots:
                 slots[a.rid] = cache.allocate()
-                res.tokens[a.rid], res.hidden[a.rid], res.outputs[a.rid] = [], [], []
+                res.tokens[a.rid], res.hidden[a.rid], res.outputs[a.rid], res.origin[a.rid] = [], [], [], []
                 res.conv_inputs[a.rid] = [[] for _ in layers]
             s = slots[a.rid]
             item = {"prefill": Prefill, "spec": Spec}.get(a.kind)
@@ -165,6 +166,7 @@ def replay(layers, cache: PLECache, script, *, generator: torch.Generator | None
                 keep = a.accept
                 cache.accept(slots[a.rid], keep)
             res.tokens[a.rid] += list(a.tokens[:keep])
+            res.origin[a.rid] += [(index, a.kind)] * keep
             res.hidden[a.rid].append(hidden[row:row + keep])
             res.outputs[a.rid].append(h[row:row + keep])
             for li, ci in enumerate(conv_in):
@@ -221,7 +223,15 @@ def check_replay(layers, result: ReplayResult, *, rtol: float = 1e-5, atol: floa
         worst = max(worst, float(err.max()))
         bound = atol + rtol * expected.double().abs()
         if not bool((err <= bound).all()):
-            i = int((err - bound).flatten().argmax()) // hidden.shape[-1]
-            raise AssertionError(f"request {rid}: step output differs from forward at token {i} of "
-                                 f"{len(toks)} by {float(err.max()):.3g}")
+            i, c = divmod(int((err - bound).flatten().argmax()), hidden.shape[-1])
+            step, kind = result.origin[rid][i] if result.origin.get(rid) else (None, "?")
+            cfg = layers[0].config
+            raise AssertionError(
+                f"request {rid}: the output of token {i} of {len(toks)} (made by a {kind} in step {step}) differs "
+                f"from forward over the request's sequence at channel {c} (stream {c // cfg.hidden_size}): "
+                f"step {float(got[0, i, c]):.7g}, forward {float(expected[0, i, c]):.7g}, error "
+                f"{float(err[0, i, c]):.3g} > {float(bound[0, i, c]):.3g}; config: C={cfg.hc_hidden_size} "
+                f"(hc_count={cfg.hc_count} x hidden_size={cfg.hidden_size}), K={cfg.ple_conv_kernel_size}, "
+                f"dilation={cfg.conv_dilation}, N={cfg.ngram_size}, {len(layers)} PLE layer(s), "
+                f"{expected.dtype}")
     return worst

@@ -1,0 +1,290 @@
+"""`check_ple_conv`, `check_export_conv_checkpoints`: a serving-step conv against ``ple.reference``.
+
+Each draws cases with Hypothesis and runs the user's function and the reference on copies of
+the same inputs and states. What a case can hold: channels beyond one tile and odd (up to
+``max_channels``), K 1..5, dilation 1..4, int32 and int64 indices (some a strided column of a
+table), states in three layouts (``[slots, C, W]``, a transposed ``[slots, W, C]`` buffer, the
+last W columns of a wider one) and in the input dtype or float32, stale non-zero states read
+or not by ``has_initial_states``, rows of the null slot, rows interleaved through
+``token_indices`` among rows of other calls, every spec acceptance count including
+all-accepted, NaN in every state column the call must not read and in every input row outside
+the call, and NaN-poisoned ``torch.empty`` while the function runs. Outputs are judged by the
+tolerance table (bfloat16 against a float64 reference run), states bit for bit (the whole
+buffer, so columns and slots the call must not touch are checked too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
+
+from ... import reference as ref
+from ._report import compare_bits, compare_close, poisoned_empty, row_of
+
+__all__ = ["check_ple_conv", "check_export_conv_checkpoints", "conv_cases"]
+
+NAN = float("nan")
+MODES = ("prefill", "decode", "spec")
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _randn(shape, dtype, g):
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _to64(t):
+    return None if t is None else t.to(torch.float64)
+
+
+def _state(num_slots, C, W, layout, dtype, g):
+    """(``[num_slots, C, W]`` view, the buffer behind it)."""
+    if layout == "cw":
+        buf = _randn((num_slots, C, W), dtype, g)
+        return buf, buf
+    if layout == "wc":
+        buf = _randn((num_slots, W, C), dtype, g)
+        return buf.transpose(1, 2), buf
+    buf = _randn((num_slots, W + 2, C), dtype, g)          # "tail": the last W columns of a wider buffer
+    return buf.transpose(1, 2)[..., 2:], buf
+
+
+def _index(values, dtype, column):
+    t = torch.tensor(values, dtype=dtype)
+    if column:                                              # a column of a 2-D table: stride 2
+        t = torch.stack([t, torch.full_like(t, 12345)], 1)[:, 0]
+    return t
+
+
+def _channels(max_channels):
+    small = st.sampled_from([c for c in (1, 5, 13, 40) if c <= max_channels])
+    return st.one_of(small, st.integers(1, max_channels)) if max_channels > 1 else st.just(1)
+
+
+@st.composite
+def conv_cases(draw, mode: str, *, max_channels: int = 300, dtypes=DTYPES, max_requests: int = 4):
+    """One ``ple_conv`` call's description (plain values; `build_conv` makes its tensors)."""
+    spec_len = draw(st.integers(1, 5)) if mode == "spec" else 1
+    if mode == "prefill":
+        length = st.one_of(st.just(0), st.just(1), st.integers(2, 12), st.integers(30, 70))
+        lens = draw(st.lists(length, min_size=0, max_size=max_requests))
+    elif mode == "decode":
+        lens = [1] * draw(st.integers(1, max_requests + 1))
+    else:
+        lens = draw(st.lists(st.integers(1, spec_len), min_size=1, max_size=max_requests))
+    R = len(lens)
+    flags = st.lists(st.booleans(), min_size=R, max_size=R)
+    return dict(
+        mode=mode, C=draw(_channels(max_channels)), K=draw(st.integers(1, 5)), dilation=draw(st.integers(1, 4)),
+        spec_len=spec_len, lens=lens, dtype=draw(st.sampled_from(list(dtypes))),
+        state_dtype=draw(st.sampled_from(["same", "float32"])), weight_layout=draw(st.sampled_from(["ck", "kc"])),
+        layout=draw(st.sampled_from(["cw", "wc", "tail"])), extra_w=draw(st.integers(0, 2)),
+        extra_slots=draw(st.integers(1, 3)), null_at_end=draw(st.booleans()), null_requests=draw(flags),
+        init=draw(st.sampled_from([None, "bool", "int"])), init_values=draw(flags),
+        accepted=[draw(st.sampled_from([spec_len, 1]) | st.integers(1, spec_len)) for _ in range(R)],
+        token_indices=draw(st.booleans()), extra_rows=draw(st.integers(0, 3)), outer=draw(st.booleans()),
+        index_dtype=draw(st.sampled_from([torch.int32, torch.int64])), column_indices=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def build_conv(case: dict) -> dict:
+    """The tensors of one call and what each request reads (the rest of the state is NaN)."""
+    g = torch.Generator().manual_seed(case["seed"])
+    mode, C, K, d, lens = case["mode"], case["C"], case["K"], case["dilation"], case["lens"]
+    dt = case["dtype"]
+    sdt = dt if case["state_dtype"] == "same" else torch.float32
+    S = (K - 1) * d
+    R = len(lens)
+    W = S + case["spec_len"] - 1 + case["extra_w"]
+    num_slots = R + case["extra_slots"]
+    null_slot = num_slots - 1 if case["null_at_end"] else 0
+    free = [s for s in range(num_slots) if s != null_slot]
+    order = torch.randperm(len(free), generator=g).tolist()
+    slots = [null_slot if case["null_requests"][r] else free[order[r]] for r in range(R)]
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    num_rows = starts[-1]
+    if case["token_indices"]:
+        T = num_rows + case["extra_rows"]
+        rows = torch.randperm(T, generator=g)[:num_rows].tolist()
+        token_indices = _index(rows, case["index_dtype"], case["column_indices"])
+    else:
+        T, rows, token_indices = num_rows, list(range(num_rows)), None
+    inputs, residual = _randn((T, C), dt, g), _randn((T, C), dt, g)
+    outer = _randn((T, C), dt, g) if case["outer"] else None
+    weights = _randn((C, K), dt, g) if case["weight_layout"] == "ck" else _randn((K, C), dt, g).t()
+    state, buf = _state(num_slots, C, W, case["layout"], sdt, g)
+    init = None
+    has_init = [mode != "prefill"] * R
+    if case["init"] is not None:
+        has_init = list(case["init_values"])
+        init = torch.tensor(has_init, dtype=torch.bool if case["init"] == "bool" else case["index_dtype"])
+    accepted = case["accepted"] if mode == "spec" else [1] * R
+    outside = sorted(set(range(T)) - set(rows))
+    for t in (inputs, residual, outer):
+        if t is not None:
+            t[outside] = NAN                                  # rows of other calls: never read
+    read = torch.zeros(num_slots, W, dtype=torch.bool)
+    for r, slot in enumerate(slots):
+        if slot != null_slot and lens[r] and (mode == "spec" or has_init[r]):
+            read[slot, accepted[r] - 1:accepted[r] - 1 + S] = True
+    state[~read[:, None, :].expand(num_slots, C, W)] = NAN    # stale columns no correct call reads
+    return dict(inputs=inputs, residual=residual, outer=outer, weights=weights, state=state, buf=buf,
+                slots=_index(slots, case["index_dtype"], case["column_indices"]), slot_list=slots,
+                qsl=torch.tensor(starts, dtype=case["index_dtype"]), starts=starts, init=init,
+                accepted=torch.tensor(accepted, dtype=case["index_dtype"]), token_indices=token_indices,
+                null_slot=null_slot, rows=rows)
+
+
+def _clone_state(t):
+    buf = t["buf"].clone()
+    view = torch.as_strided(buf, t["state"].shape, t["state"].stride(),
+                            t["state"].storage_offset() - t["buf"].storage_offset())
+    return view, buf
+
+
+def _run(fn, t, case, *, residual, state, inputs=None, weights=None, outer=None):
+    fn(t["inputs"] if inputs is None else inputs, residual, state, t["weights"] if weights is None else weights,
+       t["slots"], mode=case["mode"], dilation=case["dilation"],
+       query_start_loc=None if case["mode"] == "decode" and case["seed"] % 2 else t["qsl"],
+       has_initial_states=t["init"], num_accepted_tokens=t["accepted"] if case["mode"] == "spec" else None,
+       spec_query_len=case["spec_len"], token_indices=t["token_indices"],
+       outer_residual=t["outer"] if outer is None else outer, null_slot=t["null_slot"])
+
+
+def _state_where(t):
+    owner = {s: r for r, s in enumerate(t["slot_list"])}
+
+    def where(idx):
+        s, c, j = idx
+        who = ("the null slot" if s == t["null_slot"] else
+               f"request {owner[s]}'s slot" if s in owner else "a slot no request of the call owns")
+        return f"state slot {s} ({who}), channel {c}, column {j}"
+    return where
+
+
+def check_one_conv(fn: Callable, case: dict) -> None:
+    """Run one `conv_cases` case through ``fn`` and the reference; ``AssertionError`` on a difference."""
+    t = build_conv(case)
+    res_ref, res_fn = t["residual"].clone(), t["residual"].clone()
+    (st_ref, buf_ref), (st_fn, buf_fn) = _clone_state(t), _clone_state(t)
+    _run(ref.ple_conv, t, case, residual=res_ref, state=st_ref)
+    with poisoned_empty():
+        _run(fn, t, case, residual=res_fn, state=st_fn)
+    rows = t["rows"]
+    exact = None
+    if case["dtype"] in (torch.bfloat16, torch.float16):
+        res64, st64 = _to64(t["residual"]), _to64(t["state"])
+        _run(ref.ple_conv, t, case, residual=res64, state=st64, inputs=_to64(t["inputs"]),
+             weights=_to64(t["weights"]), outer=_to64(t["outer"]))
+        exact = res64[rows]
+    where_row = lambda idx: f"{row_of(t['starts'], idx[0])} (physical row {rows[idx[0]]}), channel {idx[1]}"  # noqa: E731
+    compare_close(res_fn[rows], res_ref[rows], exact, name=f"ple_conv {case['mode']}: residual",
+                  where=where_row, case=case)
+    outside = [i for i in range(res_fn.shape[0]) if i not in set(rows)]
+    compare_bits(res_fn[outside], res_ref[outside], name=f"ple_conv {case['mode']}: a residual row outside the call",
+                 where=lambda idx: f"physical row {outside[idx[0]]}, channel {idx[1]}", case=case)
+    compare_bits(st_fn, st_ref, name=f"ple_conv {case['mode']}: conv_state", where=_state_where(t), case=case)
+    compare_bits(buf_fn, buf_ref, name=f"ple_conv {case['mode']}: conv_state's buffer outside the view",
+                 where=lambda idx: f"buffer element {idx}", case=case)
+
+
+def _settings(max_examples, seed):
+    kw = dict(max_examples=max_examples, deadline=None, database=None)
+    if seed is not None:
+        kw["derandomize"] = False
+    return settings(**kw)
+
+
+def check_ple_conv(fn: Callable, *, modes=MODES, dtypes=DTYPES, max_channels: int = 300,
+                   max_examples: int = 25, seed: int | None = 0) -> None:
+    """Check ``fn`` (the signature of ``ple.reference.ple_conv``) against the reference.
+
+    Returns quietly, or raises ``AssertionError`` naming the smallest failing case Hypothesis
+    found: mode, config of the call, request, slot, row, channel, column and both values.
+    ``max_examples`` cases per mode; ``seed`` fixes the draw (None: Hypothesis's own randomness).
+    Usable inside a pytest test.
+    """
+    for mode in modes:
+        if mode not in MODES:
+            raise ValueError(f"modes: expected some of {MODES}, got {mode!r}")
+
+        @given(case=conv_cases(mode, max_channels=max_channels, dtypes=dtypes))
+        @_settings(max_examples, seed)
+        def prop(case):
+            note(repr(case))
+            check_one_conv(fn, case)
+
+        _seeded(prop, seed)()
+
+
+def _seeded(prop, seed):
+    from hypothesis import seed as hseed
+    return hseed(seed)(prop) if seed is not None else prop
+
+
+@st.composite
+def export_cases(draw, *, max_channels: int = 300, dtypes=DTYPES):
+    S = draw(st.integers(1, 9))
+    lens = draw(st.lists(st.integers(0, 25), min_size=0, max_size=4))
+    return dict(C=draw(_channels(max_channels)), S=S, lens=lens, dtype=draw(st.sampled_from(list(dtypes))),
+                state_dtype=draw(st.sampled_from(["same", "float32"])), layout=draw(st.sampled_from(["cw", "wc", "tail"])),
+                token_indices=draw(st.booleans()), null_at_end=draw(st.booleans()),
+                choice=draw(st.lists(st.integers(0, 3), min_size=len(lens), max_size=len(lens))),
+                index_dtype=draw(st.sampled_from([torch.int32, torch.int64])), seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def check_one_export(fn: Callable, case: dict) -> None:
+    g = torch.Generator().manual_seed(case["seed"])
+    C, S, lens, dt = case["C"], case["S"], case["lens"], case["dtype"]
+    R = len(lens)
+    num_slots = R + 2
+    null_slot = num_slots - 1 if case["null_at_end"] else 0
+    free = [s for s in range(num_slots) if s != null_slot]
+    offsets, slots = [], []
+    for r, n in enumerate(lens):
+        kind = case["choice"][r] if n >= S else 0                          # 0: no checkpoint
+        offsets.append({0: 0, 1: S, 2: n, 3: (S + n) // 2}[kind])
+        slots.append(null_slot if kind == 3 and r % 2 else free[r])
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    T = starts[-1] + (2 if case["token_indices"] else 0)
+    rows = torch.randperm(T, generator=g)[:starts[-1]] if case["token_indices"] else None
+    x = _randn((T, C), dt, g)
+    if rows is not None:
+        x[sorted(set(range(T)) - set(rows.tolist()))] = NAN
+    sdt = dt if case["state_dtype"] == "same" else torch.float32
+    state, buf = _state(num_slots, C, S + 1, case["layout"], sdt, g)
+    for o, s in zip(offsets, slots, strict=True):
+        if o > 0 and s != null_slot:
+            state[s, :, :S] = NAN                                           # must be fully rewritten
+    ix = case["index_dtype"]
+    kw = dict(query_start_loc=torch.tensor(starts, dtype=ix), offsets=torch.tensor(offsets, dtype=ix),
+              slots=torch.tensor(slots, dtype=ix), state_len=S,
+              token_indices=None if rows is None else rows.to(ix), null_slot=null_slot)
+    t = dict(buf=buf, state=state, slot_list=slots, null_slot=null_slot)
+    (v_ref, b_ref), (v_fn, b_fn) = _clone_state(t), _clone_state(t)
+    ref.export_conv_checkpoints(x, v_ref, **kw)
+    with poisoned_empty():
+        fn(x, v_fn, **kw)
+    compare_bits(v_fn, v_ref, name="export_conv_checkpoints: conv_state", where=_state_where(t), case=case)
+    compare_bits(b_fn, b_ref, name="export_conv_checkpoints: conv_state's buffer outside the view",
+                 where=lambda idx: f"buffer element {idx}", case=case)
+
+
+def check_export_conv_checkpoints(fn: Callable, *, dtypes=DTYPES, max_channels: int = 300,
+                                  max_examples: int = 25, seed: int | None = 0) -> None:
+    """Check ``fn`` (the signature of ``ple.reference.export_conv_checkpoints``) against the reference:
+    the whole state buffer bit for bit; see `check_ple_conv` for the options and the failure message."""
+
+    @given(case=export_cases(max_channels=max_channels, dtypes=dtypes))
+    @_settings(max_examples, seed)
+    def prop(case):
+        note(repr(case))
+        check_one_export(fn, case)
+
+    _seeded(prop, seed)()

@@ -1,0 +1,121 @@
+"""`check_layer`: a whole `PLELayer` on the user's ops against the reference layer.
+
+Three parts, each over Hypothesis-drawn configs (channels beyond one tile: C up to a few
+hundred, odd sizes; K 1..5; two PLE layers):
+
+* **forward**: ``layer(hidden, ids, mask)`` with left / right padding, judged against a
+  float64 run of the reference layer (the fast error at most twice the reference's own,
+  plus a floor: SPEC section 8's rule for ill-conditioned gates, used throughout here);
+* **gradients** of the hidden states and of every parameter, judged the same way;
+* **serving**: a random serving script (chunked prefills, decodes, spec steps with random
+  acceptance, slot reuse) through ``layer.step`` on a ``PLECache``: every conv state equal
+  bit for bit to the layer's own last S conv inputs after every step, and every accepted
+  token's output equal to the reference layer's forward over its whole sequence.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+from ...config import PLEConfig
+from ...state import PLECache
+from ..layers import random_layer
+from ..serving import check_replay, random_script, replay
+from ..strategies import configs
+from ._report import compare_close, fmt_case
+from .conv import _seeded, _settings
+
+__all__ = ["check_layer"]
+
+
+def _layers(config, ops, dtype, seed, num_layers):
+    """(layers on ``ops``, reference layers, float64 reference layers) with the same random weights."""
+    from ...layer import PLELayer
+    mine, refs, r64 = [], [], []
+    for i in range(num_layers):
+        base = random_layer(config, i, dtype=dtype, seed=seed + i)
+        a = PLELayer(config, i, ops=ops, dtype=dtype)
+        a.load_state_dict(base.state_dict())
+        b = PLELayer(config, i, dtype=torch.float64)
+        b.load_state_dict({k: v.double() if v.is_floating_point() else v for k, v in base.state_dict().items()})
+        mine.append(a)
+        refs.append(base)
+        r64.append(b)
+    return mine, refs, r64
+
+
+@st.composite
+def _layer_cases(draw, dtypes, max_hidden):
+    config = draw(configs(max_hidden=max_hidden, max_hc=3))
+    B, L = draw(st.integers(1, 3)), draw(st.integers(1, 24))
+    return dict(config=config, dtype=draw(st.sampled_from(list(dtypes))), B=B, L=L,
+                pads=draw(st.lists(st.tuples(st.sampled_from(["none", "left", "right"]), st.integers(0, L - 1)),
+                                   min_size=B, max_size=B)),
+                script_seed=draw(st.integers(0, 2**31 - 1)), seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def check_one_layer(ops, case: dict, *, grad: bool = True, serving: bool = True) -> None:
+    config: PLEConfig = case["config"]
+    dt = case["dtype"]
+    B, L, C = case["B"], case["L"], config.hc_hidden_size
+    mine, refs, r64 = _layers(config, ops, dt, case["seed"], 1)
+    g = torch.Generator().manual_seed(case["seed"])
+    hidden = torch.randn(B, L, C, generator=g, dtype=torch.float64).to(dt)
+    ids = torch.randint(0, config.vocab_size, (B, L), generator=g)
+    mask = torch.ones(B, L, dtype=torch.int64)
+    for b, (kind, n) in enumerate(case["pads"]):
+        if kind == "left":
+            mask[b, :n] = 0
+        elif kind == "right":
+            mask[b, L - n:] = 0
+    up = torch.randn(B, L, C, generator=g, dtype=torch.float64).to(dt)
+    where = lambda idx: f"sequence {idx[0]}, position {idx[1]}, channel {idx[2]}"  # noqa: E731
+    outs, grads = [], []
+    for layer, h, u in ((mine[0], hidden, up), (refs[0], hidden, up), (r64[0], hidden.double(), up.double())):
+        h = h.clone().requires_grad_(grad)
+        y = layer(h, ids, mask)
+        outs.append(y.detach())
+        if grad:
+            y.backward(u)
+            grads.append({"hidden_states": h.grad, **{n: p.grad for n, p in layer.named_parameters()}})
+    compare_close(outs[0], outs[1], outs[2], name="layer forward", where=where, case=case, judge64=True)
+    if grad:
+        for name in grads[1]:
+            if grads[1][name] is None:
+                continue
+            if grads[0][name] is None:
+                raise AssertionError(f"layer gradient of {name}: none was computed\n  case: {fmt_case(case)}")
+            w = where if name == "hidden_states" else (lambda idx: f"element {idx}")
+            compare_close(grads[0][name].to_dense(), grads[1][name].to_dense(), grads[2][name].to_dense(),
+                          name=f"layer gradient of {name}", where=w, case=case, judge64=True)
+    if serving:
+        n = config.num_ple_layers
+        mine, refs, _ = _layers(config, ops, torch.float32, case["seed"], n)
+        cache = PLECache(config, num_slots=4, num_spec_tokens=2, num_layers=n, dtype=torch.float32)
+        script = random_script(random.Random(case["script_seed"]), vocab_size=config.vocab_size,
+                               eos_token_id=config.eos_token_id, num_requests=4, max_live=3, max_prompt=12,
+                               max_chunk=5, max_generate=4, num_spec_tokens=2, eos_rate=0.1, append_rate=0.2)
+        try:
+            with torch.no_grad():
+                res = replay(mine, cache, script, generator=torch.Generator().manual_seed(case["seed"]))
+            check_replay(refs, res)
+        except AssertionError as e:
+            raise AssertionError(f"serving (float32, {n} PLE layers): {e}\n  case: {fmt_case(case)}") from None
+
+
+def check_layer(ops, *, dtypes=(torch.float32, torch.bfloat16), max_hidden: int = 40, grad: bool = True,
+                serving: bool = True, max_examples: int = 10, seed: int | None = 0) -> None:
+    """Check ``PLELayer(config, ops=ops)`` whole against the reference layer: forward, gradients (``grad``)
+    and a serving replay (``serving``, in float32). ``ops`` is any object with the op names of
+    ``ple.backends.OP_NAMES``. Returns quietly or raises ``AssertionError`` naming the smallest case."""
+    @given(case=_layer_cases(dtypes, max_hidden))
+    @_settings(max_examples, seed)
+    def prop(case):
+        note(repr(case))
+        check_one_layer(ops, case, grad=grad, serving=serving)
+
+    _seeded(prop, seed)()

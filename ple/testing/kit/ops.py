@@ -1,0 +1,222 @@
+"""`check_ngram_ids`, `check_embedding_lookup`, `check_ple_gate`, `check_dilated_causal_conv`.
+
+Each drives the user's function through a Hypothesis property against ``ple.reference``:
+outputs by the tolerance table (bfloat16 against a float64 reference run), integer results
+and gradients' shapes exactly, gradients of every differentiable input by the same table.
+Sizes go beyond one tile and are often odd; index tensors are int32 or int64; fresh buffers
+are NaN-poisoned while the function runs. A failure raises ``AssertionError`` naming the
+smallest case, the element (request, row, channel, head) and both values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+from ... import reference as ref
+from ...config import PLEConfig
+from ..strategies import configs, varlen_batches
+from ._report import compare_bits, compare_close, poisoned_empty, row_of
+from .conv import DTYPES, _randn, _seeded, _settings, _to64
+
+__all__ = ["check_ngram_ids", "check_embedding_lookup", "check_ple_gate", "check_dilated_causal_conv"]
+
+
+def _prop(strategy, body, max_examples, seed):
+    @given(case=strategy)
+    @_settings(max_examples, seed)
+    def prop(case):
+        note(repr(case))
+        body(case)
+    _seeded(prop, seed)()
+
+
+def _grads(fn, inputs: dict, wrt: list[str], g_out, **kw):
+    """``fn(**inputs, **kw)`` and the gradients of ``wrt`` for the upstream gradient ``g_out``."""
+    leaves = {k: (v.detach().clone().requires_grad_(True) if k in wrt else v) for k, v in inputs.items()}
+    out = fn(*leaves.values(), **kw)
+    outs = out if isinstance(out, tuple) else (out,)
+    gs = g_out(outs)
+    grads = torch.autograd.grad(outs, [leaves[k] for k in wrt], gs, allow_unused=True)
+    return tuple(o.detach() for o in outs), dict(zip(wrt, grads, strict=True))
+
+
+# ---- ngram_ids ------------------------------------------------------------------------------------
+
+@st.composite
+def _ngram_cases(draw, max_requests):
+    config = draw(configs(max_hidden=3))
+    batch = draw(varlen_batches(config, max_requests=max_requests, max_len=40))
+    return dict(config=config, ple_layer_index=draw(st.integers(0, 1)), input_ids=batch.input_ids.tolist(),
+                query_start_loc=batch.query_start_loc.tolist(), index_dtype=batch.query_start_loc.dtype,
+                ids_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
+                context=batch.ngram_context.tolist() if draw(st.booleans()) else None)
+
+
+def check_ngram_ids(fn: Callable, *, max_examples: int = 25, max_requests: int = 4, seed: int | None = 0) -> None:
+    """Check ``fn`` (the signature of ``ple.reference.ngram_ids``): the ``[T, NH]`` ids, exactly."""
+    def body(case):
+        c: PLEConfig = case["config"]
+        params = ref.hash_params(c, case["ple_layer_index"])
+        kw = dict(heads_per_ngram=c.heads_per_ngram, eos_token_id=c.eos_token_id,
+                  query_start_loc=torch.tensor(case["query_start_loc"], dtype=case["index_dtype"]),
+                  ngram_context=None if case["context"] is None else torch.tensor(case["context"]).reshape(
+                      -1, c.context_len))
+        ids = torch.tensor(case["input_ids"], dtype=case["ids_dtype"])
+        want = ref.ngram_ids(ids, params, **kw)
+        with poisoned_empty():
+            got = fn(ids, params, **kw)
+        starts = case["query_start_loc"]
+        compare_bits(got, want, name="ngram_ids", case=case,
+                     where=lambda idx: f"{row_of(starts, idx[0])}, head {idx[1]} "
+                                       f"(n-gram {idx[1] // c.heads_per_ngram + 2})")
+    _prop(_ngram_cases(max_requests), body, max_examples, seed)
+
+
+# ---- embedding_lookup -----------------------------------------------------------------------------
+
+@st.composite
+def _lookup_cases(draw, dtypes, max_dim):
+    return dict(rows=draw(st.integers(1, 300)), D=draw(st.one_of(st.integers(1, max_dim), st.sampled_from([128, 160]))),
+                T=draw(st.integers(0, 70)), NH=draw(st.integers(1, 6)), dtype=draw(st.sampled_from(list(dtypes))),
+                index_dtype=draw(st.sampled_from([torch.int32, torch.int64])), repeats=draw(st.booleans()),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def check_embedding_lookup(fn: Callable, *, dtypes=DTYPES, max_dim: int = 200, grad: bool = True,
+                           max_examples: int = 25, seed: int | None = 0) -> None:
+    """Check ``fn`` (the signature of ``ple.reference.embedding_lookup``): rows bit for bit (a gather), and
+    with ``grad`` the table's gradient (repeated ids summed) by the tolerance table."""
+    def body(case):
+        g = torch.Generator().manual_seed(case["seed"])
+        weight = _randn((case["rows"], case["D"]), case["dtype"], g)
+        hi = min(case["rows"], 3) if case["repeats"] else case["rows"]
+        ids = torch.randint(0, hi, (case["T"], case["NH"]), generator=g).to(case["index_dtype"])
+        up = _randn((case["T"], case["NH"] * case["D"]), case["dtype"], g)
+        where_out = lambda idx: (f"token {idx[0]}, head {idx[1] // case['D']} (table row "  # noqa: E731
+                                 f"{ids[idx[0], idx[1] // case['D']].item()}), column {idx[1] % case['D']}")
+        (want,), gw = _grads(ref.embedding_lookup, dict(weight=weight, ids=ids), ["weight"] if grad else [],
+                             lambda outs: (up,))
+        with poisoned_empty():
+            (got,), gg = _grads(fn, dict(weight=weight, ids=ids), ["weight"] if grad else [], lambda outs: (up,))
+        compare_bits(got, want, name="embedding_lookup: output", where=where_out, case=case)
+        if grad:
+            exact = None
+            if case["dtype"] in (torch.bfloat16, torch.float16):
+                _, g64 = _grads(ref.embedding_lookup, dict(weight=_to64(weight), ids=ids), ["weight"],
+                                lambda outs: (_to64(up),))
+                exact = g64["weight"]
+            compare_close(gg["weight"], gw["weight"], exact, name="embedding_lookup: weight gradient", case=case,
+                          where=lambda idx: f"table row {idx[0]}, column {idx[1]}")
+    _prop(_lookup_cases(dtypes, max_dim), body, max_examples, seed)
+
+
+# ---- ple_gate -------------------------------------------------------------------------------------
+
+@st.composite
+def _gate_cases(draw, dtypes, max_hidden):
+    return dict(T=draw(st.integers(0, 40)), M=draw(st.integers(1, 4)),
+                H=draw(st.one_of(st.integers(1, max_hidden), st.sampled_from([1, 2, 127, 160]))),
+                dtype=draw(st.sampled_from(list(dtypes))), eps=draw(st.sampled_from([1e-6, 1e-5, 0.1])),
+                scale=draw(st.sampled_from([1.0, 1e-4, 30.0])), strided=draw(st.booleans()),
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def check_ple_gate(fn: Callable, *, dtypes=DTYPES, max_hidden: int = 300, grad: bool = True,
+                   max_examples: int = 25, seed: int | None = 0) -> None:
+    """Check ``fn`` (the signature of ``ple.reference.ple_gate``): ``(gated, conv_input)`` and, with ``grad``,
+    the gradients of key, value, hidden states and the three norm weights."""
+    names = ["key", "value", "hidden_states", "norm_key_weight", "norm_query_weight", "norm_conv_weight"]
+
+    def body(case):
+        g = torch.Generator().manual_seed(case["seed"])
+        T, M, H, dt = case["T"], case["M"], case["H"], case["dtype"]
+        C = M * H
+
+        def rows(n):
+            t = _randn((T, n + 3) if case["strided"] else (T, n), dt, g) * case["scale"]
+            return t[:, :n]
+        inputs = dict(key=rows(C), value=rows(H), hidden_states=rows(C), norm_key_weight=_randn((C,), dt, g) * 0.3,
+                      norm_query_weight=_randn((C,), dt, g) * 0.3, norm_conv_weight=_randn((C,), dt, g) * 0.3)
+        ups = (_randn((T, C), dt, g), _randn((T, C), dt, g))
+        wrt = names if grad else []
+        want, gw = _grads(ref.ple_gate, inputs, wrt, lambda outs: ups, eps=case["eps"])
+        with poisoned_empty():
+            got, gg = _grads(fn, inputs, wrt, lambda outs: ups, eps=case["eps"])
+        exact, g64 = (None, None), {}
+        # SPEC section 8: where a score lies within 0.05 of zero, float32 is judged like bfloat16.
+        ill = dt == torch.float32 and bool((_scores(inputs, H, case["eps"]).abs() < 0.05).any())
+        if dt in (torch.bfloat16, torch.float16) or ill:
+            exact, g64 = _grads(ref.ple_gate, {k: _to64(v) for k, v in inputs.items()}, wrt,
+                                lambda outs: tuple(map(_to64, ups)), eps=case["eps"])
+        where = lambda idx: f"token {idx[0]}, stream {idx[1] // H}, channel {idx[1]} ({idx[1] % H} of the stream)"  # noqa: E731
+        for i, name in enumerate(("gated", "conv_input")):
+            compare_close(got[i], want[i], exact[i], name=f"ple_gate: {name}", where=where, case=case, judge64=ill)
+        for k in wrt:
+            w = where if gw[k].dim() == 2 and k != "value" else (
+                (lambda idx: f"token {idx[0]}, channel {idx[1]}") if k == "value" else
+                (lambda idx: f"channel {idx[0]} (stream {idx[0] // H})"))
+            compare_close(gg[k], gw[k], g64.get(k), name=f"ple_gate: gradient of {k}", where=w, case=case,
+                          judge64=ill)
+    _prop(_gate_cases(dtypes, max_hidden), body, max_examples, seed)
+
+
+def _scores(inputs: dict, H: int, eps: float) -> torch.Tensor:
+    """The gate scores ``s[t, m]`` in float64 (SPEC section 4)."""
+    x = {k: v.detach().double() for k, v in inputs.items()}
+    kn = ref.grouped_rms_norm(x["key"], x["norm_key_weight"], H, eps).unflatten(1, (-1, H))
+    qn = ref.grouped_rms_norm(x["hidden_states"], x["norm_query_weight"], H, eps).unflatten(1, (-1, H))
+    return (kn * qn).sum(-1) / H**0.5
+
+
+# ---- dilated_causal_conv --------------------------------------------------------------------------
+
+@st.composite
+def _dcc_cases(draw, dtypes, max_channels):
+    packed = draw(st.booleans())
+    lens = draw(st.lists(st.sampled_from([0, 1, 2, 5, 17, 40]) | st.integers(0, 70), min_size=1, max_size=4))
+    return dict(C=draw(st.one_of(st.integers(1, max_channels), st.sampled_from([1, 5, 130]))), K=draw(st.integers(1, 5)),
+                dilation=draw(st.integers(1, 4)), packed=packed, lens=lens if packed else None,
+                B=draw(st.integers(1, 3)), L=draw(st.integers(0, 70)), dtype=draw(st.sampled_from(list(dtypes))),
+                index_dtype=draw(st.sampled_from([torch.int32, torch.int64])), seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def check_dilated_causal_conv(fn: Callable, *, dtypes=DTYPES, max_channels: int = 300, grad: bool = True,
+                              max_examples: int = 25, seed: int | None = 0) -> None:
+    """Check ``fn`` (the signature of ``ple.reference.dilated_causal_conv``), ``[B, L, C]`` and packed
+    ``[T, C]`` with ``cu_seqlens``: the output and, with ``grad``, the gradients of ``x`` and ``weight``."""
+    def body(case):
+        g = torch.Generator().manual_seed(case["seed"])
+        C, K, dt = case["C"], case["K"], case["dtype"]
+        kw = dict(dilation=case["dilation"])
+        if case["packed"]:
+            starts = [0]
+            for n in case["lens"]:
+                starts.append(starts[-1] + n)
+            x = _randn((starts[-1], C), dt, g)
+            kw["cu_seqlens"] = torch.tensor(starts, dtype=case["index_dtype"])
+            where = lambda idx: f"{row_of(starts, idx[0])}, channel {idx[1]}"  # noqa: E731
+        else:
+            x = _randn((case["B"], case["L"], C), dt, g)
+            where = lambda idx: f"sequence {idx[0]}, position {idx[1]}, channel {idx[2]}"  # noqa: E731
+        inputs = dict(x=x, weight=_randn((C, K), dt, g) * 0.5)
+        up = (_randn(tuple(x.shape), dt, g),)
+        wrt = ["x", "weight"] if grad else []
+        (want,), gw = _grads(ref.dilated_causal_conv, inputs, wrt, lambda outs: up, **kw)
+        with poisoned_empty():
+            (got,), gg = _grads(fn, inputs, wrt, lambda outs: up, **kw)
+        exact, g64 = (None,), {}
+        if dt in (torch.bfloat16, torch.float16):
+            exact, g64 = _grads(ref.dilated_causal_conv, {k: _to64(v) for k, v in inputs.items()}, wrt,
+                                lambda outs: (_to64(up[0]),), **kw)
+        compare_close(got, want, exact[0], name="dilated_causal_conv: output", where=where, case=case)
+        if grad:
+            compare_close(gg["x"], gw["x"], g64.get("x"), name="dilated_causal_conv: gradient of x", where=where,
+                          case=case)
+            compare_close(gg["weight"], gw["weight"], g64.get("weight"), case=case,
+                          name="dilated_causal_conv: gradient of weight",
+                          where=lambda idx: f"channel {idx[0]}, tap {idx[1]}")
+    _prop(_dcc_cases(dtypes, max_channels), body, max_examples, seed)
