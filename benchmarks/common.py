@@ -102,11 +102,20 @@ def copy_bandwidth(device: torch.device, repeats: int, nbytes: int | None = None
     return _COPY_GBPS[device]
 
 
+def allow_recompiles(limit: int = 64) -> None:
+    """Let dynamo keep ``limit`` graphs per function (default 8): each benchmarked shape compiles its own
+    (``dynamic=False``), and past the limit dynamo would silently run the function eagerly."""
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, limit)
+
+
 def maybe_compile(fn, args):
     """``torch.compile(fn)`` or None when disabled / unavailable."""
     if args.no_compile or "compiled" not in args.variants.split(","):
         return None
     try:
+        allow_recompiles()
         return torch.compile(fn, dynamic=False)
     except Exception as e:  # noqa: BLE001 - report, do not abort the benchmark
         print(f"torch.compile unavailable: {type(e).__name__}: {e}")
@@ -131,8 +140,10 @@ def _env() -> dict:
 
 
 def run_case(args, benchmark: str, case: str, dtype: torch.dtype, device: torch.device, repeats: int,
-             variants: dict, nbytes: int) -> list[dict]:
-    """Time each variant (name -> zero-arg callable, or None to skip), print and record a row each."""
+             variants: dict, nbytes: int, warmup: int | None = None) -> list[dict]:
+    """Time each variant (name -> zero-arg callable, or None to skip), print and record a row each.
+
+    ``warmup`` calls precede the timed ones (default three, one with ``--smoke``)."""
     wanted = args.variants.split(",")
     copy = copy_bandwidth(device, repeats)
     times = {}
@@ -140,7 +151,7 @@ def run_case(args, benchmark: str, case: str, dtype: torch.dtype, device: torch.
         if fn is None or name not in wanted:
             continue
         try:
-            times[name] = bench(fn, device, repeats)
+            times[name] = bench(fn, device, repeats, warmup=(1 if args.smoke else 3) if warmup is None else warmup)
         except Exception as e:  # noqa: BLE001 - e.g. torch.compile failing at first call
             if os.environ.get("PLE_BENCH_DEBUG"):
                 raise
