@@ -25,6 +25,8 @@ import torch
 from torch import nn
 
 import ple
+from ple._progress import progress
+from ple.demo import int_at_least
 
 
 def make_batch(gen: torch.Generator, batch: int, length: int, vocab: int, eos: int, noise: float) -> torch.Tensor:
@@ -65,7 +67,7 @@ def train(use_ple: bool, args, config: ple.PLEConfig) -> list[float]:
     opt = torch.optim.Adam(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(args.seed + 1)
     losses = []
-    for _ in range(args.steps):
+    for _ in progress(range(args.steps), desc="with PLE" if use_ple else "without PLE"):
         x = make_batch(gen, args.batch, args.length, config.vocab_size, config.eos_token_id, args.noise)
         logits = model(x[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, config.vocab_size), x[:, 1:].reshape(-1))
@@ -78,15 +80,22 @@ def train(use_ple: bool, args, config: ple.PLEConfig) -> list[float]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--length", type=int, default=32)
-    p.add_argument("--noise", type=float, default=0.1)
-    p.add_argument("--lr", type=float, default=3e-2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", choices=["reference", "triton", "auto"], default="reference")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--steps", type=int_at_least(1), default=300, help="optimizer steps per model (default: 300)")
+    p.add_argument("--batch", type=int_at_least(1), default=32, help="sequences per batch (default: 32)")
+    p.add_argument("--length", type=int_at_least(2), default=32, help="tokens per sequence (default: 32)")
+    p.add_argument("--noise", type=float, default=0.1, help="chance a token breaks the rule (default: 0.1)")
+    p.add_argument("--lr", type=float, default=3e-2, help="Adam learning rate (default: 0.03)")
+    p.add_argument("--seed", type=int, default=0, help="seed of weights and data (default: 0)")
+    p.add_argument("--backend", choices=["reference", "triton", "auto"], default="reference",
+                   help="ops of the PLE layer (default: reference; triton on a CPU needs TRITON_INTERPRET=1)")
+    p.add_argument("--threads", type=int_at_least(0), default=1, help="torch CPU threads (default: 1)")
     args = p.parse_args(argv)
+    if not 0 <= args.noise <= 1:
+        p.error(f"argument --noise: expected a probability in [0, 1], got {args.noise}")
+    try:
+        ple.backends.resolve_backend(args.backend)
+    except ValueError as e:
+        p.error(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
     config = ple.PLEConfig(vocab_size=48, hidden_size=32, hc_count=2, ple_embed_dim=32, heads_per_ngram=2,

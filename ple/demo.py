@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import argparse
 import random
+import sys
 import time
 
 import torch
@@ -30,17 +32,39 @@ SIZES = {
 }
 
 
+MAX_LAYERS = 8
+
+
+def int_at_least(minimum: int, maximum: int | None = None):
+    """An argparse ``type``: an int in ``[minimum, maximum]``; anything else is one ``error:`` line, exit 2."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            span = f"at least {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+            raise argparse.ArgumentTypeError(f"expected an integer {span}, got {value}")
+        return value
+    return parse
+
+
 def _parser(sub) -> None:
-    p = sub.add_parser("demo", help="build a layer and simulate serving, checked against forward")
+    p = sub.add_parser("demo", help="build a layer and simulate serving, checked against forward",
+                       description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model size (default: tiny)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and traffic (default: 0)")
-    p.add_argument("--requests", type=int, default=None, help="requests to serve (default: by size)")
-    p.add_argument("--steps", type=int, default=None, help="stop after this many steps (default: all)")
-    p.add_argument("--spec", type=int, default=3, help="speculative tokens per step (default: 3)")
-    p.add_argument("--layers", type=int, default=2, help="PLE layers stacked (default: 2)")
+    p.add_argument("--requests", type=int_at_least(1), default=None, help="requests to serve (default: by size)")
+    p.add_argument("--steps", type=int_at_least(1), default=None, help="stop after this many steps (default: all)")
+    p.add_argument("--spec", type=int_at_least(0), default=3,
+                   help="speculative tokens per step, 0 for none (default: 3)")
+    p.add_argument("--layers", type=int_at_least(1, MAX_LAYERS), default=2,
+                   help=f"PLE layers stacked, 1..{MAX_LAYERS} (default: 2)")
     p.add_argument("--backend", choices=["auto", "reference", "triton"], default="auto",
-                   help="ops to run on (default: auto = Triton on CUDA, else the reference)")
-    p.add_argument("--threads", type=int, default=1,
+                   help="ops to run on (default: auto = Triton on CUDA, else the reference; triton on a CPU "
+                        "needs TRITON_INTERPRET=1)")
+    p.add_argument("--threads", type=int_at_least(0), default=1,
                    help="CPU threads for torch (default: 1, fastest at these sizes; 0 = torch's default)")
     p.set_defaults(func=main)
 
@@ -67,8 +91,12 @@ def _gate_stats(layer: PLELayer, hidden: torch.Tensor, ids: torch.Tensor) -> lis
 
 def main(args) -> int:
     preset, overrides, n_req, max_live, max_prompt, max_chunk, max_gen = SIZES[args.size]
-    config = PLEConfig.preset(preset, **overrides, ple_layer_ids=tuple(range(1, args.layers + 1)))
-    backend, _ = resolve_backend(args.backend)
+    try:
+        config = PLEConfig.preset(preset, **overrides, ple_layer_ids=tuple(range(1, args.layers + 1)))
+        backend, _ = resolve_backend(args.backend)
+    except (ValueError, TypeError) as e:
+        print(f"python -m ple demo: error: {e}", file=sys.stderr)
+        return 2
     device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     if device == "cpu" and args.threads:
         torch.set_num_threads(args.threads)   # small matmuls: extra threads only add contention

@@ -70,6 +70,8 @@ def resolve_config(ckpt: Checkpoint, config=None) -> PLEConfig | None:
     if isinstance(config, str) and not config.endswith(".json") and not Path(config).exists():
         return PLEConfig.preset(config)
     if config is not None:
+        if not Path(config).is_file():
+            raise ValueError(f"config: {config} is not a file (expected a config.json path or a preset name)")
         return PLEConfig.from_json(config)
     raw = ckpt.metadata.get(CONFIG_METADATA_KEY)
     if raw is not None:
