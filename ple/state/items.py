@@ -10,22 +10,37 @@ __all__ = ["Prefill", "Decode", "Spec", "as_token_list"]
 
 
 def as_token_list(name: str, tokens) -> list[int]:
-    """Tokens as a list of Python ints: an int, a list of ints or a 1-D integer tensor."""
+    """Tokens as a list of Python ints: an int, a list of ints (numpy integers too), or a 0-D / 1-D
+    integer tensor or numpy array. A 2-D ``[1, L]`` batch row is a ``ValueError`` (pass ``row[0]``)."""
+    if type(tokens).__module__ == "numpy" and hasattr(tokens, "dtype"):
+        import numpy as np
+        if isinstance(tokens, np.generic):                         # a numpy scalar
+            tokens = tokens.item()                                 # then checked as a Python value below
+        elif not np.issubdtype(tokens.dtype, np.integer):
+            raise TypeError(f"{name}: expected an integer array, got numpy {tokens.dtype}")
+        elif tokens.ndim > 1:
+            raise ValueError(f"{name}: expected a 0-D or 1-D array, got shape {tuple(tokens.shape)}"
+                             f"{'; pass tokens[0] for one row' if tokens.shape[0] == 1 else ''}")
+        else:
+            return [int(t) for t in tokens.reshape(-1).tolist()]
     if isinstance(tokens, torch.Tensor):
         if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise TypeError(f"{name}: expected an integer tensor, got {tokens.dtype}")
         if tokens.dim() > 1:
-            raise ValueError(f"{name}: expected a 0-D or 1-D tensor, got shape {tuple(tokens.shape)}")
+            raise ValueError(f"{name}: expected a 0-D or 1-D tensor, got shape {tuple(tokens.shape)}"
+                             f"{'; pass tokens[0] for one row' if tokens.shape[0] == 1 else ''}")
         return [int(t) for t in tokens.reshape(-1).tolist()]
     if isinstance(tokens, bool):
         raise TypeError(f"{name}: expected token ids, got a bool")
     if isinstance(tokens, int):
         return [tokens]
     if isinstance(tokens, (list, tuple)):
+        tokens = [t.item() if type(t).__module__ == "numpy" and hasattr(t, "item") and not isinstance(t, bool)
+                  else t for t in tokens]
         if not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise TypeError(f"{name}: expected a list of ints, got {tokens!r}")
         return list(tokens)
-    raise TypeError(f"{name}: expected an int, a list of ints or a 1-D integer tensor, got "
+    raise TypeError(f"{name}: expected an int, a list of ints or a 1-D integer tensor or array, got "
                     f"{type(tokens).__name__}")
 
 
