@@ -9,15 +9,19 @@ loads its slot's old window and its request's rows once, writes the outputs, the
 barrier) the shifted window; see that module. Prefill: two launches.
 
 1. ``_step_out_kernel``, grid ``(time tiles, channel blocks)``. A time tile is
-   ``BLOCK_T`` consecutive rows of one request, so a long request is spread over many
-   programs. The grid is ``num_rows // BLOCK_T + R`` programs, an upper bound from shapes
-   alone; each program finds its (request, first position) by a binary search over
+   ``PREFILL_BLOCK_T`` consecutive rows of one request, so a long request is spread over many
+   programs. The grid is ``num_rows // PREFILL_BLOCK_T + R`` programs, an upper bound from
+   shapes alone; each program finds its (request, first position) by a binary search over
    ``query_start_loc`` on the device (``_numerics.tile_of``), and a program past its
-   request's rows (at most one per request) does nothing. No table, no host values. Each
-   program reads the K dilated taps of its rows: positions inside the step come from
-   ``inputs`` (logical row -> physical row through ``token_indices``), positions before it
-   from the slot's *old* state columns ``[0, S)`` (or zeros), then writes ``residual`` (plus
-   ``outer_residual``) for its rows. It never writes a state.
+   request's rows (at most one per request) returns at once. No table, no host values. Each
+   program keeps a rolling window of ``[BLOCK_C]`` vectors (compile-time tuple indices, so
+   registers): first the S positions before its tile, each read once, from ``inputs`` (logical
+   row -> physical row through ``token_indices``) or, before the step, from the slot's *old*
+   state columns ``[0, S)`` (or zeros); with a same-dtype state that is one load whose address
+   (and mask) is picked per position. Then, row by row (unrolled), it loads the row's input
+   once, forms the K dilated taps from the window, and writes ``residual`` (plus
+   ``outer_residual``). So an input row is read once per tile plus S halo rows per tile,
+   not K times; only the S halo positions can touch the state. It never writes a state.
 2. ``_step_state_kernel``, grid ``(requests, channel blocks)``, launched after (1) on the
    same stream, so no output can read a state this step has already updated. It writes the
    slot's new columns ``[0, S)``: new column i is ``hist[i + n]``, i.e. old state column
@@ -29,6 +33,20 @@ barrier) the shifted window; see that module. Prefill: two launches.
 
 ``export_conv_checkpoints`` is one copy kernel (inputs -> state columns ``[0, S)``);
 it reads no state.
+
+Vector accesses (as in ``conv_decode``): every kernel here takes ``FUSED_BLOCK_C`` channels
+over ``FUSED_WARPS`` warps, so a thread owns 8 consecutive channels, and row and slot
+indices are scalar loads, so a channel vector of ``inputs``, ``residual``, ``outer_residual``
+or a channels-last state (unit channel stride) is one 16-byte access per thread (two for
+float32); the weights are read as packed words (``conv_decode.weight_args``). With a
+channels-first state (``[slots, C, W]`` contiguous in W) a state column is a strided
+gather, one element per channel: a channel's W contiguous elements (W = 9 at the model's
+K = 4, dilation 3; S + q - 1 for spec) are neither a power of two nor 16-byte aligned, so
+they cannot be read as 128-bit words per channel, and regrouping a thread's 8 x W
+contiguous elements into per-column vectors would need a shuffle through shared memory.
+The state traffic of a channels-first step therefore stays in 2-byte (4-byte for float32)
+accesses; its input and residual rows are still 128-bit. Channels-last is the default
+layout.
 
 Numerics (``_numerics``): accumulation in float32 (float64 for float64 inputs), rounded
 to the input dtype where the reference rounds; bfloat16 conversions on the bits (NaN ->
@@ -66,12 +84,25 @@ import triton.language as tl
 from .. import _checks
 from ..reference import conv as _reference
 from ._library import register, twin
-from ._numerics import TIME_BLOCK, block_c, convert, down, is_fp64, rnd, search_steps, silu, tile_grid, tile_of, up
-from .conv_decode import DECODE, PREFILL, SPEC, launch_fused_step
+from ._numerics import convert, down, is_fp64, pow2_block, rnd, search_steps, silu, tile_grid, tile_of, up
+from .conv_decode import (
+    DECODE,
+    FUSED_BLOCK_C,
+    FUSED_WARPS,
+    PREFILL,
+    SPEC,
+    launch_fused_step,
+    load_taps,
+    row_of,
+    weight_args,
+)
 
 __all__ = ["ple_conv", "export_conv_checkpoints"]
 
 _MODES = {"prefill": PREFILL.value, "decode": DECODE.value, "spec": SPEC.value}
+
+PREFILL_BLOCK_T = 64     # rows per prefill time tile (the out kernel's unrolled row loop)
+EXPORT_UNROLL = tl.constexpr(8)   # state columns per step of the export kernel's loop
 
 
 @triton.jit
@@ -100,65 +131,68 @@ def _step_out_kernel(
     IS_STATE_SAME_DTYPE: tl.constexpr, IS_FP64: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """Prefill outputs of one time tile: ``residual[rows] += silu(conv(hist))`` (+ ``outer_residual``)."""
+    """Prefill outputs of one time tile: ``residual[rows] += silu(conv(hist))`` (+ ``outer_residual``).
+
+    A rolling window of ``[BLOCK_C]`` vectors: the S positions before the tile first (from
+    ``inputs``, or the old state columns for positions before the step), then one input row
+    per position, each loaded once and used by the K taps of the rows after it.
+    """
     S: tl.constexpr = (K - 1) * DILATION                        # history length (compile-time)
     XT = x_ptr.dtype.element_ty
     pid_c = tl.program_id(1)
     r, t0 = tile_of(tl.program_id(0), qsl_ptr, stride_qsl_r, R, steps, BLOCK_T)
     lo, n, flag = _prefill_request(r, qsl_ptr, stride_qsl_r, init_ptr, stride_init_r, HAS_INIT_FLAGS)
+    if t0 >= n:                                                 # a gap id (or an empty request): no rows
+        return
     slot = tl.load(slot_ptr + r * stride_slot_r).to(tl.int64)
-
-    p = t0 + tl.arange(0, BLOCK_T)                            # positions in the request   [BT]
     c = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)  # channels                 [BC]
-    pmask = p < n
+    zc = tl.zeros([BLOCK_C], dtype=tl.int64)                    # predicates as [BC] vectors
     cmask = c < C
-    # Per-request predicates as [BT] vectors (the interpreter mishandles broadcast scalar masks).
-    zt = p * 0
-    live = (zt + slot) != null_slot                            # null slot: never read, no conv term
-    init = live & ((zt + flag) != 0)
-    state_row = state_ptr + slot * stride_state_n
+    live = cmask & ((zc + slot) != null_slot)                  # null slot: never read, no conv term
+    init = live & ((zc + flag) != 0)
+    state_at = state_ptr + slot * stride_state_n + c * stride_state_c
+    taps = load_taps(w_ptr, c, stride_w_c, stride_w_k, live, K, IS_W_BF16, IS_FP64)
 
-    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    if IS_FP64:
-        acc = acc.to(tl.float64)
-    for j in tl.static_range(K):
-        lag = (K - 1 - j) * DILATION              # tap j reads the input `lag` steps back
-        src = p - lag
-        in_step = src >= 0
-        m_x = pmask & in_step & live
-        if HAS_TOKEN_INDICES:
-            prow = tl.load(rows_ptr + (lo + src) * stride_rows_t, mask=m_x, other=0).to(tl.int64)
+    # The window before the tile: hist[k] = position t0 - S + k, in the inputs' dtype.
+    hist = ()
+    for k in tl.static_range(S):
+        src = t0 - S + k
+        in_step = (zc + src) >= 0
+        row = row_of(rows_ptr, stride_rows_t, lo, n, tl.maximum(src, 0), HAS_TOKEN_INDICES)
+        x_at = x_ptr + row * stride_x_t + c * stride_x_c
+        s_at = state_at + (S + src) * stride_state_w
+        if IS_STATE_SAME_DTYPE:                                 # one load, from either buffer
+            hist = hist + (tl.load(tl.where(in_step, x_at, s_at), mask=tl.where(in_step, live, init), other=0.0),)
         else:
-            prow = lo + src
-        xv = tl.load(x_ptr + prow[:, None] * stride_x_t + c[None, :] * stride_x_c,
-                     mask=m_x[:, None] & cmask[None, :], other=0.0)
-        m_s = pmask & (src < 0) & init
-        col = S + src                                           # old state column of hist[S + src]
-        sv = tl.load(state_row + col[:, None] * stride_state_w + c[None, :] * stride_state_c,
-                     mask=m_s[:, None] & cmask[None, :], other=0.0)
-        if not IS_STATE_SAME_DTYPE:
-            sv = convert(sv, XT, IS_STATE_BF16, IS_X_BF16)
-        h = tl.where(in_step[:, None], up(xv, IS_X_BF16, IS_FP64), up(sv, IS_X_BF16, IS_FP64))
-        wj = up(tl.load(w_ptr + c * stride_w_c + j * stride_w_k, mask=cmask, other=0.0), IS_W_BF16, IS_FP64)
-        acc = acc + wj[None, :] * h
-    a = rnd(acc, XT, IS_X_BF16, IS_FP64)                        # conv sum rounded to the input dtype
-    y = rnd(silu(a), XT, IS_X_BF16, IS_FP64)
+            xv = tl.load(x_at, mask=live & in_step, other=0.0)
+            sv = convert(tl.load(s_at, mask=init & ((zc + src) < 0), other=0.0), XT, IS_STATE_BF16, IS_X_BF16)
+            hist = hist + (tl.where(in_step, xv, sv),)
 
-    if HAS_TOKEN_INDICES:
-        orow = tl.load(rows_ptr + (lo + p) * stride_rows_t, mask=pmask, other=0).to(tl.int64)
-    else:
-        orow = lo + p
-    m_o = pmask[:, None] & cmask[None, :]
-    res_at = res_ptr + orow[:, None] * stride_res_t + c[None, :] * stride_res_c
-    res = up(tl.load(res_at, mask=m_o, other=0.0), IS_X_BF16, IS_FP64)
-    out = tl.where(live[:, None], rnd(res + y, XT, IS_X_BF16, IS_FP64), res)
-    if HAS_OUTER_RESIDUAL:
-        outer = up(tl.load(outer_ptr + orow[:, None] * stride_outer_t + c[None, :] * stride_outer_c, mask=m_o,
-                           other=0.0), IS_X_BF16, IS_FP64)
-        out = rnd(out + outer, XT, IS_X_BF16, IS_FP64)
-        tl.store(res_at, down(out, XT, IS_X_BF16), mask=m_o)
-    else:
-        tl.store(res_at, down(out, XT, IS_X_BF16), mask=m_o & live[:, None])
+    for i in tl.static_range(BLOCK_T):
+        p = t0 + i
+        m_o = cmask & ((zc + p) < n)
+        row = row_of(rows_ptr, stride_rows_t, lo, n, p, HAS_TOKEN_INDICES)
+        hist = hist + (tl.load(x_ptr + row * stride_x_t + c * stride_x_c, mask=m_o & live, other=0.0),)
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        if IS_FP64:
+            acc = acc.to(tl.float64)
+        for j in tl.static_range(K):                            # tap j: hist[S - lag_j], lag_j = (K-1-j) d
+            acc = acc + taps[j] * up(hist[j * DILATION], IS_X_BF16, IS_FP64)
+        y = rnd(silu(rnd(acc, XT, IS_X_BF16, IS_FP64)), XT, IS_X_BF16, IS_FP64)
+        res_at = res_ptr + row * stride_res_t + c * stride_res_c
+        res = up(tl.load(res_at, mask=m_o, other=0.0), IS_X_BF16, IS_FP64)
+        out = tl.where(live, rnd(res + y, XT, IS_X_BF16, IS_FP64), res)
+        if HAS_OUTER_RESIDUAL:                                  # rows of the null slot add it too
+            outer = up(tl.load(outer_ptr + row * stride_outer_t + c * stride_outer_c, mask=m_o, other=0.0),
+                       IS_X_BF16, IS_FP64)
+            out = rnd(out + outer, XT, IS_X_BF16, IS_FP64)
+            tl.store(res_at, down(out, XT, IS_X_BF16), mask=m_o)
+        else:
+            tl.store(res_at, down(out, XT, IS_X_BF16), mask=m_o & live)
+        window = ()                                             # drop the oldest position
+        for k in tl.static_range(S):
+            window = window + (hist[k + 1],)
+        hist = window
 
 
 @triton.jit
@@ -184,30 +218,26 @@ def _step_state_kernel(
     pid_c = tl.program_id(1)
     lo, n, flag = _prefill_request(r, qsl_ptr, stride_qsl_r, init_ptr, stride_init_r, HAS_INIT_FLAGS)
     slot = tl.load(slot_ptr + r * stride_slot_r).to(tl.int64)
+    if (n == 0) | (slot == null_slot):                          # nothing to write
+        return
     c = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
-    zc = c * 0                                                  # predicates as [BC] vectors
-    live = (zc + slot) != null_slot
-    write = (c < C) & live & ((zc + n) > 0)
+    zc = tl.zeros([BLOCK_C], dtype=tl.int64)                    # predicates as [BC] vectors
+    write = c < C
     init = (zc + flag) != 0
-    state_row = state_ptr + slot * stride_state_n
+    state_at = state_ptr + slot * stride_state_n + c * stride_state_c
     for i in tl.static_range(S):
         k = n + i                                               # index into hist (length S + n)
         from_state = (zc + k) < S
-        sv = tl.load(state_row + k * stride_state_w + c * stride_state_c, mask=write & from_state & init,
-                     other=0.0)
-        m_x = write & ((zc + k) >= S)
-        if HAS_TOKEN_INDICES:
-            prow = tl.load(rows_ptr + (zc + lo + k - S) * stride_rows_t, mask=m_x, other=0).to(tl.int64)
-        else:
-            prow = lo + k - S
-        xv = tl.load(x_ptr + prow * stride_x_t + c * stride_x_c, mask=m_x, other=0.0)
+        sv = tl.load(state_at + k * stride_state_w, mask=write & from_state & init, other=0.0)
+        row = row_of(rows_ptr, stride_rows_t, lo, n, tl.maximum(k - S, 0), HAS_TOKEN_INDICES)
+        xv = tl.load(x_ptr + row * stride_x_t + c * stride_x_c, mask=write & ((zc + k) >= S), other=0.0)
         if IS_STATE_SAME_DTYPE:
             v = tl.where(from_state, sv, xv)
         else:
             v = tl.where(from_state,
                          convert(convert(sv, XT, IS_STATE_BF16, IS_X_BF16), ST, IS_X_BF16, IS_STATE_BF16),
                          convert(xv, ST, IS_X_BF16, IS_STATE_BF16))
-        tl.store(state_row + i * stride_state_w + c * stride_state_c, v, mask=write)
+        tl.store(state_at + i * stride_state_w, v, mask=write)
 
 
 @triton.jit
@@ -219,25 +249,35 @@ def _export_kernel(
     HAS_TOKEN_INDICES: tl.constexpr, IS_X_BF16: tl.constexpr, IS_STATE_BF16: tl.constexpr,
     IS_STATE_SAME_DTYPE: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """``state[slots[r], :, i] = inputs[row(qsl[r] + offsets[r] - state_len + i)]`` for i < state_len."""
+    """``state[slots[r], :, i] = inputs[row(qsl[r] + offsets[r] - state_len + i)]`` for i < state_len.
+
+    The column loop is unrolled `EXPORT_UNROLL` times (columns past ``state_len`` masked), so
+    the vector copies dominate the per-request scalar loads.
+    """
     ST = state_ptr.dtype.element_ty
     r = tl.program_id(0).to(tl.int64)
     pid_c = tl.program_id(1)
     off = tl.load(off_ptr + r * stride_off_r).to(tl.int64)
     slot = tl.load(slots_ptr + r * stride_slots_r).to(tl.int64)
+    if (off <= 0) | (slot == null_slot):                        # no checkpoint for this request
+        return
     first = tl.load(qsl_ptr + r * stride_qsl_r).to(tl.int64) + off - state_len
     c = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
-    zc = c * 0                                                  # predicates as [BC] vectors
-    m = (c < C) & ((zc + off) > 0) & ((zc + slot) != null_slot)
-    for i in range(0, state_len):
-        if HAS_TOKEN_INDICES:
-            prow = tl.load(rows_ptr + (zc + first + i) * stride_rows_t, mask=m, other=0).to(tl.int64)
-        else:
-            prow = first + i
-        v = tl.load(x_ptr + prow * stride_x_t + c * stride_x_c, mask=m, other=0.0)
-        if not IS_STATE_SAME_DTYPE:
-            v = convert(v, ST, IS_X_BF16, IS_STATE_BF16)
-        tl.store(state_ptr + slot * stride_state_n + i * stride_state_w + c * stride_state_c, v, mask=m)
+    m = c < C
+    state_at = state_ptr + slot * stride_state_n + c * stride_state_c
+    zc = tl.zeros([BLOCK_C], dtype=tl.int64)                    # predicates as [BC] vectors
+    for i0 in range(0, state_len, EXPORT_UNROLL):
+        for u in tl.static_range(EXPORT_UNROLL):
+            i = i0 + u
+            m_i = m & ((zc + i) < state_len)
+            if HAS_TOKEN_INDICES:                               # clamped: the index read stays in the call
+                prow = tl.load(rows_ptr + (first + tl.minimum(i, state_len - 1)) * stride_rows_t).to(tl.int64)
+            else:
+                prow = first + i
+            v = tl.load(x_ptr + prow * stride_x_t + c * stride_x_c, mask=m_i, other=0.0)
+            if not IS_STATE_SAME_DTYPE:
+                v = convert(v, ST, IS_X_BF16, IS_STATE_BF16)
+            tl.store(state_at + i * stride_state_w, v, mask=m_i)
 
 
 # ---- launchers -------------------------------------------------------------------------------------
@@ -275,23 +315,21 @@ def _ple_conv_fwd(inputs, residual, conv_state, conv_weights, state_indices, mod
         stride_rows_t=rows.stride(0), K=conv_weights.shape[1], DILATION=dilation, HAS_INIT_FLAGS=use_flags,
         HAS_TOKEN_INDICES=token_indices is not None, **_dtype_flags(inputs, conv_state))
     outputs = dict(
-        res_ptr=residual, outer_ptr=outer, w_ptr=conv_weights,
+        res_ptr=residual, outer_ptr=outer,
         stride_res_t=residual.stride(0), stride_res_c=residual.stride(1),
         stride_outer_t=outer.stride(0), stride_outer_c=outer.stride(1),
-        stride_w_c=conv_weights.stride(0), stride_w_k=conv_weights.stride(1),
-        HAS_OUTER_RESIDUAL=outer_residual is not None, IS_W_BF16=conv_weights.dtype == torch.bfloat16,
-        IS_FP64=is_fp64(inputs.dtype))
+        HAS_OUTER_RESIDUAL=outer_residual is not None, IS_FP64=is_fp64(inputs.dtype), **weight_args(conv_weights))
     if MODE != PREFILL.value:
         nat = num_accepted_tokens if MODE == SPEC.value else placeholder
         launch_fused_step(dict(args, **outputs, nat_ptr=nat, stride_nat_r=nat.stride(0),
                                IS_INIT_DEFAULT=1), R, C, MODE, spec_query_len)
         return
-    bc = block_c(C)
-    _step_out_kernel[(tile_grid(num_rows, R, TIME_BLOCK), triton.cdiv(C, bc))](
-        R=R, steps=search_steps(R), BLOCK_T=TIME_BLOCK, BLOCK_C=bc, **outputs, **args)
+    bc = pow2_block(C, FUSED_BLOCK_C)
+    _step_out_kernel[(tile_grid(num_rows, R, PREFILL_BLOCK_T), triton.cdiv(C, bc))](
+        R=R, steps=search_steps(R), BLOCK_T=PREFILL_BLOCK_T, BLOCK_C=bc, num_warps=FUSED_WARPS, **outputs, **args)
     if (conv_weights.shape[1] - 1) * dilation > 0:
         # Launched after every output is computed: the outputs above read only old states.
-        _step_state_kernel[(R, triton.cdiv(C, bc))](BLOCK_C=bc, **args)
+        _step_state_kernel[(R, triton.cdiv(C, bc))](BLOCK_C=bc, num_warps=FUSED_WARPS, **args)
 
 
 def _export_fwd(inputs, conv_state, query_start_loc, offsets, slots, state_len, token_indices, null_slot) -> None:
@@ -301,7 +339,7 @@ def _export_fwd(inputs, conv_state, query_start_loc, offsets, slots, state_len, 
     if R == 0 or C == 0:
         return
     rows = token_indices if token_indices is not None else offsets      # placeholder: never read
-    bc = block_c(C)
+    bc = pow2_block(C, FUSED_BLOCK_C)
     _export_kernel[(R, triton.cdiv(C, bc))](
         x_ptr=inputs, state_ptr=conv_state, qsl_ptr=query_start_loc, off_ptr=offsets, slots_ptr=slots,
         rows_ptr=rows, C=C, null_slot=null_slot, state_len=state_len,
@@ -309,7 +347,7 @@ def _export_fwd(inputs, conv_state, query_start_loc, offsets, slots, state_len, 
         stride_state_c=conv_state.stride(1), stride_state_w=conv_state.stride(2),
         stride_qsl_r=query_start_loc.stride(0), stride_off_r=offsets.stride(0), stride_slots_r=slots.stride(0),
         stride_rows_t=rows.stride(0), HAS_TOKEN_INDICES=token_indices is not None,
-        **_dtype_flags(inputs, conv_state), BLOCK_C=bc)
+        **_dtype_flags(inputs, conv_state), BLOCK_C=bc, num_warps=FUSED_WARPS)
 
 
 # ---- registration ----------------------------------------------------------------------------------

@@ -22,9 +22,14 @@ Vector accesses: a ``[BLOCK_C]`` vector is contiguous in memory when its channel
 which Triton specialises on (``== 1``, divisibility by 16 of the other strides), so inputs,
 residuals and a channels-last state (a ``[slots, W, C]`` buffer viewed as ``[slots, C, W]``)
 move in 128-bit accesses; rows and slots are scalar loads so the channel vector keeps its
-contiguity. A channels-first state (contiguous in W) is read and written one element per
-channel and column. ``FUSED_BLOCK_C`` channels over ``FUSED_WARPS`` warps give each thread 8
-consecutive channels (16 bytes of bfloat16, two 16-byte vectors of float32).
+contiguity. The ``[C, K]`` weights (tap stride 1, so a channel vector of one tap would be a
+stride-K gather) are read as one packed word per channel where `weight_args` can view them so
+(bfloat16, K = 2 or 4: a thread's 8 channels are 32 / 64 contiguous bytes) and split into
+taps by `load_taps`. A channels-first state (contiguous in W) is read and written one
+element per channel and column: a channel's W elements are not 16-byte aligned (see the
+``conv`` module docstring), so there the state moves in 2- or 4-byte accesses.
+``FUSED_BLOCK_C`` channels over ``FUSED_WARPS`` warps give each thread 8 consecutive channels
+(16 bytes of bfloat16, two 16-byte vectors of float32).
 
 Interpreter note: as in ``conv``, per-request predicates are ``[BLOCK_C]`` vectors (a splat
 ``tl.zeros`` plus the scalar), which the compiler still sees as constant along the vector.
@@ -32,12 +37,14 @@ Interpreter note: as in ``conv``, per-request predicates are ``[BLOCK_C]`` vecto
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from ._numerics import convert, down, pow2_block, rnd, silu, up
 
-__all__ = ["PREFILL", "DECODE", "SPEC", "history_source", "launch_fused_step", "FUSED_BLOCK_C", "FUSED_WARPS"]
+__all__ = ["PREFILL", "DECODE", "SPEC", "history_source", "weight_args", "load_taps", "row_of", "launch_fused_step",
+           "FUSED_BLOCK_C", "FUSED_WARPS"]
 
 PREFILL = tl.constexpr(0)
 DECODE = tl.constexpr(1)
@@ -64,7 +71,7 @@ def history_source(r, init_ptr, stride_init_r, nat_ptr, stride_nat_r,
 
 
 @triton.jit
-def _row(rows_ptr, stride_rows_t, lo, n, i, HAS_TOKEN_INDICES: tl.constexpr):
+def row_of(rows_ptr, stride_rows_t, lo, n, i, HAS_TOKEN_INDICES: tl.constexpr):
     """Physical row of the request's row ``i`` (a scalar, so a channel vector stays contiguous).
 
     ``i`` is clamped to the request's last row, so the index read stays inside ``token_indices``.
@@ -73,6 +80,47 @@ def _row(rows_ptr, stride_rows_t, lo, n, i, HAS_TOKEN_INDICES: tl.constexpr):
         return tl.load(rows_ptr + (lo + tl.minimum(n - 1, i)) * stride_rows_t).to(tl.int64)
     else:
         return lo + i
+
+
+def weight_args(conv_weights: torch.Tensor) -> dict:
+    """The kernels' weight arguments: ``[C, K]`` taps, as one packed word per channel where possible.
+
+    With bfloat16 weights, K = 2 or 4 and each channel's K taps contiguous and word-aligned
+    (a ``[C, K]`` tensor with a unit tap stride), the kernels get ``conv_weights`` viewed as
+    one int32 / int64 word per channel (a view: no copy, no launch), so 8 consecutive
+    channels are 32 / 64 contiguous bytes (128-bit loads), and `load_taps` splits each word
+    into its K taps with shifts. Otherwise (other dtypes or K, a ``[K, C]`` buffer
+    transposed) the taps are read one element at a time.
+    """
+    K = conv_weights.shape[1]
+    words = {2: torch.int32, 4: torch.int64}.get(K)
+    packable = (conv_weights.dtype == torch.bfloat16 and words is not None and conv_weights.stride(1) == 1
+                and conv_weights.stride(0) % K == 0 and conv_weights.storage_offset() % K == 0)
+    w = conv_weights.detach().view(words) if packable else conv_weights
+    return dict(w_ptr=w, stride_w_c=w.stride(0), stride_w_k=w.stride(1),
+                IS_W_BF16=conv_weights.dtype == torch.bfloat16)
+
+
+@triton.jit
+def load_taps(w_ptr, c, stride_w_c, stride_w_k, mask, K: tl.constexpr, IS_W_BF16: tl.constexpr,
+              IS_FP64: tl.constexpr):
+    """The K taps of channels ``c``, a tuple of vectors in the accumulation dtype (see `weight_args`).
+
+    An integer ``w_ptr`` holds one word per channel (the packed bfloat16 taps): tap j is bits
+    ``[16 j, 16 j + 16)`` (little-endian), put in the high half of a float32 (the exact
+    bfloat16 -> float32 conversion). Otherwise ``w_ptr`` is the ``[C, K]`` weights themselves.
+    """
+    taps = ()
+    if w_ptr.dtype.element_ty.is_int():
+        word = tl.load(w_ptr + c * stride_w_c, mask=mask, other=0)
+        for j in tl.static_range(K):
+            bits = ((word >> (16 * j)) & 0xFFFF).to(tl.uint32) << 16
+            taps = taps + (up(bits.to(tl.float32, bitcast=True), False, IS_FP64),)
+    else:
+        for j in tl.static_range(K):
+            taps = taps + (up(tl.load(w_ptr + c * stride_w_c + j * stride_w_k, mask=mask, other=0.0), IS_W_BF16,
+                              IS_FP64),)
+    return taps
 
 
 @triton.jit
@@ -119,7 +167,7 @@ def _step_fused_kernel(
     res = ()
     outer = ()
     for i in tl.static_range(Q):                                # hist[S + i]: the request's row i
-        row = _row(rows_ptr, stride_rows_t, lo, n, i, HAS_TOKEN_INDICES)
+        row = row_of(rows_ptr, stride_rows_t, lo, n, i, HAS_TOKEN_INDICES)
         m_i = (c < C) & ((zc + i) < n)
         hist = hist + (tl.load(x_ptr + row * stride_x_t + c * stride_x_c, mask=m_i & live, other=0.0),)
         res = res + (tl.load(res_ptr + row * stride_res_t + c * stride_res_c, mask=m_i, other=0.0),)
@@ -127,10 +175,7 @@ def _step_fused_kernel(
             outer = outer + (tl.load(outer_ptr + row * stride_outer_t + c * stride_outer_c, mask=m_i,
                                      other=0.0),)
 
-    taps = ()
-    for j in tl.static_range(K):
-        taps = taps + (up(tl.load(w_ptr + c * stride_w_c + j * stride_w_k, mask=live, other=0.0), IS_W_BF16,
-                          IS_FP64),)
+    taps = load_taps(w_ptr, c, stride_w_c, stride_w_k, live, K, IS_W_BF16, IS_FP64)
 
     # 2. Outputs of rows i < n, from the old window: residual += silu(conv) (+ outer_residual).
     for i in tl.static_range(Q):
@@ -143,7 +188,7 @@ def _step_fused_kernel(
         y = rnd(silu(rnd(acc, XT, IS_X_BF16, IS_FP64)), XT, IS_X_BF16, IS_FP64)
         r_i = up(res[i], IS_X_BF16, IS_FP64)
         out = tl.where(live, rnd(r_i + y, XT, IS_X_BF16, IS_FP64), r_i)
-        row = _row(rows_ptr, stride_rows_t, lo, n, i, HAS_TOKEN_INDICES)
+        row = row_of(rows_ptr, stride_rows_t, lo, n, i, HAS_TOKEN_INDICES)
         res_at = res_ptr + row * stride_res_t + c * stride_res_c
         if HAS_OUTER_RESIDUAL:                                  # rows of the null slot add it too
             out = rnd(out + up(outer[i], IS_X_BF16, IS_FP64), XT, IS_X_BF16, IS_FP64)

@@ -185,6 +185,11 @@ def _clone_state(t):
 def test_ple_conv_matches_reference(mode, data):
     case = data.draw(conv_cases(mode))
     note(repr(case))
+    _check_against_reference(case)
+
+
+def _check_against_reference(case):
+    """One ``ple_conv`` call of ``case``: the fast op against the reference (outputs close, states bit for bit)."""
     t = _build(case)
     res_ref, res_fast = t["residual"].clone(), t["residual"].clone()
     (st_ref, buf_ref), (st_fast, buf_fast) = _clone_state(t), _clone_state(t)
@@ -205,6 +210,32 @@ def test_ple_conv_matches_reference(mode, data):
     assert_bitwise_equal(buf_fast, buf_ref, name="conv_state buffer")
     written = t["written"][:, None, :].expand(st_fast.shape)
     assert_no_nan(st_fast[written], name="state columns the step must rewrite")
+
+
+@pytest.mark.parametrize("layout", ["wc", "cw"])
+@pytest.mark.parametrize("weight_layout", ["ck", "kc"])
+@pytest.mark.parametrize("mode", ["prefill", "decode", "spec"])
+def test_ple_conv_model_widths_tiles_and_packed_taps(mode, weight_layout, layout):
+    """The model's K = 4, dilation 3 in bfloat16, prefill requests longer than a time tile.
+
+    Prefill tiles after a request's first take their window from the inputs, the first from
+    the state (or zeros); contiguous ``[C, K]`` bfloat16 weights are read as one packed word
+    per channel (``conv_decode.weight_args``), transposed ones tap by tap.
+    """
+    from ple.fast import conv as F
+    from ple.fast.conv_decode import weight_args
+
+    bt = F.PREFILL_BLOCK_T
+    lens = {"prefill": [bt + 1, 2 * bt + 5, 3, 0, 1], "decode": [1] * 5, "spec": [3, 1, 2, 3, 3]}[mode]
+    R = len(lens)
+    case = dict(mode=mode, C=40, K=4, dilation=3, spec_len=3, lens=lens, dtype=torch.bfloat16, state_dtype="same",
+                weight_layout=weight_layout, layout=layout, extra_w=1, extra_slots=2, null_at_end=False,
+                null_requests=[False, False, False, False, True], init="bool" if mode != "spec" else None,
+                init_values=[True, False, True, True, True], accepted=[2, 1, 3, 1, 2], token_indices=True,
+                extra_rows=2, outer=True, wide_rows=False, index_dtype=torch.int32, column_indices=False, seed=R)
+    w = _build(case)["weights"]
+    assert weight_args(w)["w_ptr"].dtype == (torch.int64 if weight_layout == "ck" else torch.bfloat16)
+    _check_against_reference(case)
 
 
 def _mixed_layout(n_spec, n_dec, n_pre, g):
