@@ -1,6 +1,8 @@
 """N-gram ids (SPEC section 3) as one Triton kernel, and the fused hash + table gather.
 
-Kernel design (``_ngram_kernel``; grid ``cdiv(T, BLOCK_T)``, one program per block of tokens):
+Kernel design (``_ngram_kernel``; grid ``cdiv(T, BLOCK_T)``, one program per block of tokens:
+`_BLOCK_T` tokens for the ids, ``_FUSED_ROWS // NH'`` for the fused gather, ``NH'`` being ``NH``
+rounded up to a power of two):
 
 * **Request of a token.** With ``query_start_loc`` (``IS_VARLEN``, read through its
   stride) each lane finds its
@@ -14,14 +16,19 @@ Kernel design (``_ngram_kernel``; grid ``cdiv(T, BLOCK_T)``, one program per blo
   ``N - 1 + pos - k``; all EOS without a context, ``HAS_CONTEXT`` false). A running flag
   says whether a step back has already reached an EOS; once it has, the entry is EOS.
 * **Hash.** ``mix`` accumulates ``w[k] * m[k]`` by XOR in int64 (the products are below
-  ``2**63`` by construction, SPEC section 2), and after step ``k`` the ``P`` heads of order
-  ``k + 1`` take ``mix % size[h] + offset[h]``. Multipliers, sizes and offsets are read
-  from the ``HashParams`` tensors (so a loaded checkpoint's buffers are what is used).
-* **Outputs.** ``HAS_IDS_OUT`` stores the ids ``[T, NH]``; ``HAS_TABLE`` copies row ``id`` of
-  the table into columns ``[h*D, (h+1)*D)`` of the embedding, in ``BLOCK_D`` chunks. The
-  fused ``ngram_embedding`` sets only ``HAS_TABLE``; its backward
-  (``ple.ngram_embedding_backward``) hashes again with ``HAS_IDS_OUT`` and scatters the
-  gradient by id. A gather is a copy, so the fused result equals
+  ``2**63`` by construction, SPEC section 2); after step ``k`` it becomes the mix of the ``P``
+  heads of order ``k + 1`` in a ``[tokens, NH']`` tile, and every head takes
+  ``mix % size[h] + offset[h]`` at once. Multipliers, sizes and offsets are read from the
+  ``HashParams`` tensors (so a loaded checkpoint's buffers are what is used): the multipliers
+  as one vector, sizes and offsets as ``[tokens, NH']`` tiles (consecutive heads in one
+  128-bit load; the repeats hit the cache).
+* **Outputs.** ``HAS_IDS_OUT`` stores the ids tile ``[T, NH]`` (int64 pairs, 128-bit stores);
+  ``HAS_TABLE`` gathers row ``id`` of every (token, head) into columns ``[h*D, (h+1)*D)`` of the
+  embedding, as ``[tokens, NH', BLOCK_D]`` tiles (`_BLOCK_D` columns, 16-byte pieces of rows).
+  The fused ``ngram_embedding`` sets only ``HAS_TABLE`` (the ids are never written); its
+  backward (``ple.ngram_embedding_backward``) hashes again with ``HAS_IDS_OUT`` and runs the
+  lookup's backward (``ple.fast.embedding._lookup_bwd``: atomics, or in deterministic mode the
+  sorted, token-order sum). A gather is a copy, so the fused result equals
   ``embedding_lookup(weight, ngram_ids(...))`` bit for bit.
 
 All address arithmetic is int64; every input is addressed through its strides.
@@ -47,8 +54,9 @@ from .embedding import _lookup_bwd
 
 __all__ = ["ngram_ids", "ngram_embedding"]
 
-_BLOCK_T = 64
-_MAX_BLOCK_D = 128
+_BLOCK_T = 64          # tokens per program of ``ngram_ids`` (an ids tile [_BLOCK_T, NH])
+_FUSED_ROWS = 256      # (token, head) rows per program of the fused gather: _FUSED_ROWS // NH' tokens
+_BLOCK_D = 64          # table columns per chunk of the fused gather
 
 
 @triton.jit
@@ -64,9 +72,27 @@ def _ngram_kernel(
     N: tl.constexpr, P: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_CONTEXT: tl.constexpr,
     HAS_IDS_OUT: tl.constexpr, HAS_TABLE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
+    NH: tl.constexpr = (N - 1) * P
+    # NHP: NH rounded up to a power of two (the width of the head axis of the tiles).
+    v0: tl.constexpr = NH - 1
+    v1: tl.constexpr = v0 | (v0 >> 1)
+    v2: tl.constexpr = v1 | (v1 >> 2)
+    v3: tl.constexpr = v2 | (v2 >> 4)
+    v4: tl.constexpr = v3 | (v3 >> 8)
+    NHP: tl.constexpr = v4 + 1
+    # NP: N rounded up to a power of two (the multipliers are loaded as one vector).
+    u0: tl.constexpr = N - 1
+    u1: tl.constexpr = u0 | (u0 >> 1)
+    u2: tl.constexpr = u1 | (u1 >> 2)
+    u3: tl.constexpr = u2 | (u2 >> 4)
+    NP: tl.constexpr = u3 + 1
+
     pid = tl.program_id(0)
     t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)   # [BLOCK_T] token index
     live = t < T
+    h = tl.arange(0, NHP).to(tl.int64)                                   # [NHP] hash head
+    head = h < NH
+    order = h // P + 1                                                   # a head's n-gram order - 1
 
     if IS_VARLEN:
         # Largest r in [0, R-1] with query_start_loc[r] <= t (invariant: the answer lies in [lo, hi]).
@@ -85,9 +111,12 @@ def _ngram_kernel(
         start = tl.zeros([BLOCK_T], dtype=tl.int64)
     pos = t - start                                                      # position in the request
 
+    jm = tl.arange(0, NP)
+    mults = tl.load(mult_ptr + jm, mask=jm < N, other=0)                # [NP]: vector loads, not N scalars
     tok = tl.load(ids_ptr + t * stride_ids_t, mask=live, other=0).to(tl.int64)
-    mix = tok * tl.load(mult_ptr)
+    mix = tok * tl.sum(tl.where(jm == 0, mults, 0), axis=0)
     seen_eos = tok < 0                                                   # all false
+    mix2 = tl.zeros([BLOCK_T, NHP], dtype=tl.int64)                      # [token, head]: the head's mix
     for k in tl.static_range(1, N):
         in_chunk = pos >= k
         from_chunk = tl.load(ids_ptr + (t - k) * stride_ids_t, mask=live & in_chunk, other=0).to(tl.int64)
@@ -100,20 +129,25 @@ def _ngram_kernel(
         back = tl.where(in_chunk, from_chunk, from_ctx)                  # the token k positions back
         w_k = tl.where(seen_eos, tl.zeros([BLOCK_T], dtype=tl.int64) + eos, back)
         seen_eos = seen_eos | (back == eos)
-        mix = mix ^ (w_k * tl.load(mult_ptr + k))
-        # The P heads of order n = k + 1.
-        for j in tl.static_range(P):
-            h = (k - 1) * P + j
-            row = mix % tl.load(sizes_ptr + h) + tl.load(offsets_ptr + h)   # [BLOCK_T] int64
-            if HAS_IDS_OUT:
-                tl.store(out_ptr + t * stride_out_t + h * stride_out_h, row, mask=live)
-            if HAS_TABLE:
-                for d0 in range(0, D, BLOCK_D):
-                    d = d0 + tl.arange(0, BLOCK_D).to(tl.int64)
-                    m2 = live[:, None] & (d < D)[None, :]
-                    vals = tl.load(w_ptr + row[:, None] * stride_w_r + d[None, :] * stride_w_d, mask=m2)
-                    tl.store(emb_ptr + t[:, None] * stride_emb_t + (h * D + d)[None, :] * stride_emb_c,
-                             vals, mask=m2)
+        mix = mix ^ (w_k * tl.sum(tl.where(jm == k, mults, 0), axis=0))
+        mix2 = tl.where((order == k)[None, :], mix[:, None], mix2)       # the P heads of order k + 1
+    # The head sizes and offsets are loaded per (token, head), a [BLOCK_T, NHP] tile: consecutive heads
+    # in one thread are one 128-bit load (the repeats hit the cache), and the tile stays in that layout.
+    m2 = live[:, None] & head[None, :]
+    h2 = tl.zeros([BLOCK_T, 1], dtype=tl.int64) + h[None, :]
+    size = tl.load(sizes_ptr + h2, mask=m2, other=1)
+    offset = tl.load(offsets_ptr + h2, mask=m2, other=0)
+    row = mix2 % size + offset                                           # [BLOCK_T, NHP] int64 table rows
+    if HAS_IDS_OUT:
+        tl.store(out_ptr + t[:, None] * stride_out_t + h[None, :] * stride_out_h, row, mask=m2)
+    if HAS_TABLE:
+        # Row id of (token, head) to columns [h*D, (h+1)*D) of the token's embedding, BLOCK_D at a time.
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D).to(tl.int64)
+            m3 = m2[:, :, None] & (d < D)[None, None, :]
+            vals = tl.load(w_ptr + row[:, :, None] * stride_w_r + d[None, None, :] * stride_w_d, mask=m3)
+            tl.store(emb_ptr + t[:, None, None] * stride_emb_t + (h[None, :, None] * D + d[None, None, :]) *
+                     stride_emb_c, vals, mask=m3)
 
 
 def _hash(input_ids, multipliers, head_sizes, head_offsets, P, eos_token_id, query_start_loc, ngram_context, *,
@@ -138,7 +172,9 @@ def _hash(input_ids, multipliers, head_sizes, head_offsets, P, eos_token_id, que
     ids_out = out if write_ids else mult[None]
     w = weight if has_table else mult[None]
     e = emb if has_table else mult[None]
-    _ngram_kernel[(triton.cdiv(T, _BLOCK_T),)](
+    # The fused gather's tile is [tokens, NH', BLOCK_D] (NH' = NH rounded up to a power of two).
+    block_t = max(1, _FUSED_ROWS // triton.next_power_of_2(NH)) if has_table else _BLOCK_T
+    _ngram_kernel[(triton.cdiv(T, block_t),)](
         ids_ptr=input_ids, stride_ids_t=input_ids.stride(0),
         qsl_ptr=qsl, stride_qsl_r=qsl.stride(0),
         ctx_ptr=ctx, stride_ctx_r=ctx.stride(0), stride_ctx_k=ctx.stride(1),
@@ -148,7 +184,7 @@ def _hash(input_ids, multipliers, head_sizes, head_offsets, P, eos_token_id, que
         emb_ptr=e, stride_emb_t=e.stride(0), stride_emb_c=e.stride(1),
         T=T, R=R, D=D, eos=eos_token_id, search_steps=max(R - 1, 0).bit_length(),
         N=N, P=P, IS_VARLEN=query_start_loc is not None, HAS_CONTEXT=ngram_context is not None,
-        HAS_IDS_OUT=write_ids, HAS_TABLE=has_table, BLOCK_T=_BLOCK_T, BLOCK_D=pow2_block(D, _MAX_BLOCK_D),
+        HAS_IDS_OUT=write_ids, HAS_TABLE=has_table, BLOCK_T=block_t, BLOCK_D=pow2_block(D, _BLOCK_D),
     )
     return out, emb
 

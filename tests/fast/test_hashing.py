@@ -22,7 +22,7 @@ from ple import PLEConfig
 from ple import reference as ref
 from ple.fast import ngram_embedding
 from ple.fast import ngram_ids as fast_ngram_ids
-from ple.testing.numerics import assert_bitwise_equal
+from ple.testing.numerics import assert_bitwise_equal, assert_close
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("poisoned_empty")]
 
@@ -157,3 +157,64 @@ def test_ngram_embedding_table_too_small():
     params, kw = _hash_setup()
     with pytest.raises(ValueError, match="weight"):
         ngram_embedding(torch.zeros(10, 2), torch.tensor([1, 2]), params, **kw)
+
+
+def _fused_case(seed=0, T=40, D=3, dtype=torch.float32):
+    params, kw = _hash_setup()
+    g = _gen(seed)
+    tokens = torch.randint(0, 2, (T,), generator=g)                   # two tokens: long runs of equal ids
+    kw = dict(kw, query_start_loc=torch.tensor([0, 4, 4, T]))
+    weight = torch.randn(params.num_rows, D, generator=g).to(dtype)
+    scale = torch.randint(-12, 12, (T, 1), generator=g).float().exp2()  # magnitudes apart: order shows
+    grad = (torch.randn(T, params.head_sizes.numel() * D, generator=g) * scale).to(dtype)
+    return params, kw, tokens, weight, grad
+
+
+def test_ngram_embedding_compiles_and_trains():
+    """``torch.compile(fullgraph=True)`` traces the fused op and its backward (registered ops, no graph break)."""
+    params, kw, tokens, weight, grad = _fused_case()
+    w_c, w_r = weight.clone().requires_grad_(), weight.clone().requires_grad_()
+    fn = torch.compile(lambda w: ngram_embedding(w, tokens, params, **kw, validate=False), fullgraph=True,
+                       backend="aot_eager")
+    out = fn(w_c)
+    want = ref.embedding_lookup(w_r, ref.ngram_ids(tokens, params, **kw))
+    assert_bitwise_equal(out.detach(), want.detach(), name="compiled ngram_embedding")
+    out.backward(grad)
+    want.backward(grad)
+    w64 = weight.double().requires_grad_()
+    (g_64,) = torch.autograd.grad(ref.embedding_lookup(w64, ref.ngram_ids(tokens, params, **kw)), w64, grad.double())
+    assert_close(w_c.grad, w_r.grad, exact64=g_64, name="compiled ngram_embedding grad")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ngram_embedding_deterministic_backward(dtype, monkeypatch):
+    """Deterministic mode: the fused op's table gradient uses no atomics and its bits do not depend on block sizes."""
+    from ple.fast import embedding as E
+    from ple.fast import hashing as Hs
+    params, kw, tokens, weight, grad = _fused_case(1, dtype=dtype)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        monkeypatch.setattr(E, "_lookup_bwd_kernel", None)                # the atomic kernel must not run
+        grads = []
+        for unroll, rows, block_t, block_d in ((8, 256, 64, 64), (1, 4, 1, 1), (3, 32, 4, 2)):
+            monkeypatch.setattr(E, "_DET_UNROLL", unroll)
+            monkeypatch.setattr(Hs, "_FUSED_ROWS", rows)
+            monkeypatch.setattr(Hs, "_BLOCK_T", block_t)
+            monkeypatch.setattr(Hs, "_BLOCK_D", block_d)
+            monkeypatch.setattr(E, "_DET_BLOCK_D", block_d)
+            w = weight.clone().requires_grad_()
+            out = ngram_embedding(w, tokens, params, **kw)
+            (dw,) = torch.autograd.grad(out, w, grad)
+            grads.append(dw)
+        for dw in grads[1:]:
+            assert_bitwise_equal(dw, grads[0], name="deterministic fused grad, other block sizes")
+        # Each row summed in token order, rounded once.
+        ids = ref.ngram_ids(tokens, params, **kw)
+        acc = grad.reshape(ids.numel(), -1).float()
+        want = torch.zeros(params.num_rows, weight.shape[1])
+        for i, r in enumerate(ids.reshape(-1).tolist()):
+            want[r] += acc[i]
+        assert_bitwise_equal(grads[0], want.to(dtype), name="token-order sum")
+    finally:
+        torch.use_deterministic_algorithms(was)
