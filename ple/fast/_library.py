@@ -5,17 +5,40 @@ its registrations: `register` wraps ``torch.library.custom_op`` (namespace ``ple
 the op is ``torch.ops.ple.<name>``), ``register_fake`` (shapes for tracing) and, for
 differentiable ops, ``register_autograd`` (whose backward is itself a registered op).
 `twin` gives the public Python function the signature and docstring of its
-``ple.reference`` twin, so they exist once.
+``ple.reference`` twin, so they exist once, and refuses CPU tensors when the kernels are
+compiled (`check_runnable`: a clear ``ValueError`` instead of Triton's "0 active drivers").
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import os
 from collections.abc import Callable
 
 import torch
 
-__all__ = ["register", "twin"]
+__all__ = ["register", "twin", "INTERPRETED", "check_runnable"]
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+"""Whether the kernels were defined under the interpreter (Triton reads ``TRITON_INTERPRET`` when a kernel
+is defined, i.e. when ``ple.fast`` is first imported; setting it later changes nothing)."""
+
+
+def check_runnable(name: str, args, kwargs) -> None:
+    """``ValueError`` if the call's tensors are on the CPU while the kernels are compiled (not interpreted):
+    Triton's own error there is "0 active drivers"."""
+    if INTERPRETED:
+        return
+    for t in (*args, *kwargs.values()):
+        if isinstance(t, torch.Tensor):
+            if t.device.type == "cpu":
+                raise ValueError(
+                    f"{name}: the tensors are on the CPU, where ple.fast's Triton kernels cannot run compiled; "
+                    f"move them to a CUDA device, or set TRITON_INTERPRET=1 before the first `import ple.fast` "
+                    f"(or anything importing Triton) to run the kernels in Triton's interpreter, or use "
+                    f"ple.reference")
+            return
 
 
 def register(name: str, impl: Callable, *, fake: Callable, mutates_args=(), backward: Callable | None = None,
@@ -36,8 +59,13 @@ def twin(reference: Callable) -> Callable[[Callable], Callable]:
     """Decorator: the decorated public function takes ``reference``'s docstring and signature."""
 
     def decorate(fn: Callable) -> Callable:
-        fn.__doc__ = reference.__doc__
-        fn.__signature__ = inspect.signature(reference)
-        return fn
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            check_runnable(f"ple.fast.{fn.__name__}", args, kwargs)
+            return fn(*args, **kwargs)
+
+        call.__doc__ = reference.__doc__
+        call.__signature__ = inspect.signature(reference)
+        return call
 
     return decorate

@@ -48,7 +48,7 @@ import triton.language as tl
 from .. import _checks
 from ..reference import hashing as _reference
 from ..reference.hashing import HashParams
-from ._library import register, twin
+from ._library import check_runnable, register, twin
 from ._numerics import pow2_block
 from .embedding import _lookup_bwd
 
@@ -286,6 +286,7 @@ def ngram_embedding(weight: torch.Tensor, input_ids: torch.Tensor, params: HashP
     ``head_offsets[-1] + head_sizes[-1]``, must exist. ``validate=False`` skips the value checks
     (token ids, offsets, table rows): no device-to-host synchronisation, the caller vouches for them.
     """
+    check_runnable("ple.fast.ngram_embedding", (weight, input_ids), {})
     _checks.ngram_meta(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context,
                        weight=weight)
     return _ngram_embedding_op(weight, input_ids, params.multipliers, params.head_sizes, params.head_offsets,
