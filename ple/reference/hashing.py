@@ -85,6 +85,13 @@ class HashParams:
     def ngram_size(self) -> int:
         return self.multipliers.numel()
 
+    def __repr__(self) -> str:
+        sizes = self.head_sizes.tolist() if self.head_sizes.device.type != "meta" else "?"
+        if isinstance(sizes, list) and len(sizes) > 6:
+            sizes = f"[{sizes[0]}, {sizes[1]}, ..., {sizes[-1]}]"
+        return (f"HashParams(N={self.ngram_size}, {self.head_sizes.numel()} heads of sizes {sizes}, "
+                f"num_rows={self.num_rows}, vocab_size={self.vocab_size})")
+
     def to(self, device) -> HashParams:
         return HashParams(self.multipliers.to(device), self.head_sizes.to(device),
                           self.head_offsets.to(device), self.num_rows, self.vocab_size)

@@ -103,6 +103,14 @@ class PLECache:
         self._pad_generations: dict = {}     # ... and how many plans have used it
         self._in_flight: StepBatch | None = None
 
+    def __repr__(self) -> str:
+        live = self.active_slots()
+        c = self.config
+        return (f"PLECache({self.num_slots} slots ({len(live)} live: {live}; slot {self.null_slot} is the null slot), "
+                f"{self.num_layers} PLE layer(s), C={c.hc_hidden_size}, W={self.width} "
+                f"(S={self.state_len} + {self.num_spec_tokens} spec), {self.layout}, {self.dtype}, "
+                f"{self.device}, version {self._version})")
+
     # ---- views ---------------------------------------------------------------------------------
     @property
     def device(self) -> torch.device:

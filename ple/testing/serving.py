@@ -102,6 +102,13 @@ class ReplayResult:
     seconds: float = 0.0
     conversions: list = field(default_factory=list)   # with count_conversions: (step, what, where) records
 
+    def __repr__(self) -> str:
+        kinds = {k: sum(s[k] for s in self.steps) for k in ("prefill", "decode", "spec")}
+        accepted = sum(len(t) for t in self.tokens.values())
+        return (f"ReplayResult({len(self.tokens)} requests ({len(self.finished)} finished), {len(self.steps)} steps "
+                f"({kinds['prefill']} prefill / {kinds['decode']} decode / {kinds['spec']} spec items), "
+                f"{accepted} accepted tokens, {self.state_checks} state checks, {self.seconds:.2f} s)")
+
 
 def conv_inputs_of_step(layer, hidden, batch) -> torch.Tensor:
     """The conv inputs the layer computed inside `step` for these rows (same ops, same shapes: same bits)."""
