@@ -21,7 +21,7 @@ from ple import reference as ref
 from ple.fast import embedding_lookup as fast_lookup  # public ops: torch.library custom ops
 from ple.fast import ngram_ids as fast_ngram_ids
 from ple.fast import ple_gate as fast_gate
-from ple.testing.numerics import assert_close
+from ple.testing.numerics import assert_bitwise_equal, assert_close
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("poisoned_empty")]
 
@@ -177,3 +177,69 @@ def test_errors_match_reference(case):
     with pytest.raises(expected.type) as actual:
         FAST[op](*args, **kwargs)
     assert str(actual.value) == str(expected.value)
+
+
+# ---- block sizes and deterministic mode -------------------------------------------------------------
+SMALL_BLOCKS = dict(_FWD_CHUNK_H=8, _STATS_CHUNK_H=8, _STATS_TOKENS=2, _BWD_BLOCK_T=4, _BWD_CHUNK_H=8,
+                    _SUM_BLOCK_C=16)
+
+
+def _small_blocks(monkeypatch):
+    """Block sizes small enough that every kernel loops: several chunks of H, token tiles and programs."""
+    from ple.fast import gate as fast_gate_module
+    for name, value in SMALL_BLOCKS.items():
+        monkeypatch.setattr(fast_gate_module, name, value)
+
+
+def _well_conditioned(T, M, H, dtype, first_seed):
+    """Gate inputs (a seed from ``first_seed`` on) whose scores are 0 or at least 0.05 from it (see above)."""
+    for seed in range(first_seed, first_seed + 200):
+        tensors = _gate_inputs(T, M, H, dtype, seed, zero_rows=1)
+        s = _scores(tensors, H)
+        if dtype == torch.float64 or bool(((s == 0) | (s.abs() > 0.05)).all()):
+            return tensors, seed
+    raise AssertionError("no well-conditioned draw")
+
+
+# H = 24: three exact chunks of 8; H = 20: chunks of 8 with a masked tail; T = 9: token tiles with a ragged end.
+@pytest.mark.parametrize("H", [24, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_ple_gate_small_blocks(monkeypatch, H, dtype):
+    _small_blocks(monkeypatch)
+    tensors, seed = _well_conditioned(9, 3, H, dtype, 100)
+    _check_gate(tensors, seed)
+
+
+@pytest.fixture
+def deterministic_mode():
+    """``torch.use_deterministic_algorithms(True)`` while the test runs (``ple.fast._numerics.deterministic``)."""
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(was)
+
+
+def _all_grads(tensors, seed, eps=1e-6):
+    T, C = tensors[0].shape
+    g = _gen(seed + 7)
+    grads = [torch.randn(T, C, generator=g).to(tensors[0].dtype) for _ in range(2)]
+    outs, ins = _run_gate(fast_gate, tensors, grads, eps)
+    return outs + ins
+
+
+# T = 37: two full chunks of DETERMINISTIC_CHUNK (16) tokens and a ragged one; H = 24 with M = 3.
+@pytest.mark.usefixtures("deterministic_mode")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ple_gate_deterministic(monkeypatch, dtype):
+    """Deterministic mode: outputs and gradients bit for bit equal across two runs and across block sizes,
+    and as close to the reference as the default mode."""
+    tensors, seed = _well_conditioned(37, 3, 24, dtype, 300)
+    first = _all_grads(tensors, seed)
+    again = _all_grads(tensors, seed)
+    _small_blocks(monkeypatch)
+    small = _all_grads(tensors, seed)
+    names = ("gated", "conv_input", *(f"grad {n}" for n in GATE_INPUTS))
+    for name, a, b, c in zip(names, first, again, small, strict=True):
+        assert_bitwise_equal(b, a, name=f"{name} (second run)")
+        assert_bitwise_equal(c, a, name=f"{name} (small block sizes)")
+    _check_gate(tensors, seed)
