@@ -22,6 +22,7 @@ rows fetched ahead of time by ``layer.start_prefetch``.
 from __future__ import annotations
 
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +35,28 @@ from .offload import start_prefetch as _start_prefetch
 from .reference.hashing import HashParams, hash_params
 from .table import DenseTable, QuantizedTable, Table
 
-__all__ = ["PLELayer", "GroupedRMSNorm", "NGramEmbedding"]
+__all__ = ["PLELayer", "GroupedRMSNorm", "NGramEmbedding", "Intermediates"]
+
+
+class Intermediates(NamedTuple):
+    """What ``layer(h, ids, return_intermediates=True)`` returns: every value on the way, ``[B, L, ...]``.
+
+    ``scores`` and ``gates`` are the per-stream score ``s`` and gate ``g`` (SPEC section 4,
+    ``ple.reference.gate``), recomputed by the reference from ``key`` and the hidden states;
+    ``conv`` is the conv term ``y``. ``output = (gated + conv) + hidden_states`` (padding
+    positions: ``gated`` and ``conv_input`` are zero there, ids are those of EOS).
+    """
+
+    ngram_ids: torch.Tensor     # [B, L, NH] table rows, head by head
+    embeddings: torch.Tensor    # [B, L, E]
+    key: torch.Tensor           # [B, L, C]
+    value: torch.Tensor         # [B, L, H]
+    scores: torch.Tensor        # [B, L, M]
+    gates: torch.Tensor         # [B, L, M]
+    gated: torch.Tensor         # [B, L, C]
+    conv_input: torch.Tensor    # [B, L, C]
+    conv: torch.Tensor          # [B, L, C]
+    output: torch.Tensor        # [B, L, C]
 
 
 class GroupedRMSNorm(nn.Module):
@@ -261,8 +283,13 @@ class PLELayer(nn.Module):
 
     # ---- whole sequences -----------------------------------------------------------------------
     def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, *,
+                return_intermediates: bool = False) -> torch.Tensor | Intermediates:
         """``[B, L, C]`` hidden states and ``[B, L]`` token ids -> ``[B, L, C]``.
+
+        ``return_intermediates=True`` returns an `Intermediates` instead (n-gram ids, embeddings,
+        key, value, per-stream scores and gates, gated, conv input, conv term and the output), for
+        exploring the layer; the output is the same.
 
         Every row is a whole sequence from its start. ``input_ids`` is int32 or int64;
         ``attention_mask`` is bool, integer or float (non-zero keeps). Where it is 0 the
@@ -294,13 +321,24 @@ class PLELayer(nn.Module):
                                   heads_per_ngram=self.config.heads_per_ngram, eos_token_id=eos,
                                   query_start_loc=query_start_loc, validate=check_values)
         emb = self.embed(ids, hidden_states.dtype, validate=False)   # [B*L, E]; ids of our own hash
-        gated, conv_input = self.gate(emb, hidden_states.reshape(B * L, C))
+        key, value = self.project(emb)
+        gated, conv_input = self.ops.ple_gate(key, value, hidden_states.reshape(B * L, C), self.norm_key.weight,
+                                              self.norm_query.weight, self.norm_conv.weight, self.config.rms_norm_eps)
         if keep is not None:
             mask = keep.reshape(B * L, 1).to(gated.dtype)
             gated, conv_input = gated * mask, conv_input * mask
         y = self.ops.dilated_causal_conv(conv_input.reshape(B, L, C), self.conv_weights,
                                           dilation=self.config.conv_dilation)
-        return (gated.reshape(B, L, C) + y) + hidden_states
+        out = (gated.reshape(B, L, C) + y) + hidden_states
+        if not return_intermediates:
+            return out
+        from .reference.gate import stream_scores
+        cfg = self.config
+        scores, gates = stream_scores(key, hidden_states.reshape(B * L, C), self.norm_key.weight,
+                                      self.norm_query.weight, cfg.hidden_size, cfg.rms_norm_eps)
+        rows = lambda t: t.reshape(B, L, *t.shape[1:])  # noqa: E731
+        return Intermediates(rows(ids), rows(emb), rows(key), rows(value), rows(scores), rows(gates), rows(gated),
+                             rows(conv_input), y, out)
 
     # ---- serving -------------------------------------------------------------------------------
     def step(self, hidden_states: torch.Tensor, batch, cache) -> torch.Tensor:

@@ -14,7 +14,7 @@ from einops import rearrange
 
 from .. import _checks
 
-__all__ = ["grouped_rms_norm", "ple_gate", "stream_gates", "GATE_CLAMP", "acc_dtype"]
+__all__ = ["grouped_rms_norm", "ple_gate", "stream_gates", "stream_scores", "GATE_CLAMP", "acc_dtype"]
 
 GATE_CLAMP = 1e-6
 """``|s|`` is clamped to this before the square root, so the gate's slope stays finite at 0."""
@@ -59,6 +59,13 @@ def ple_gate(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor
 def stream_gates(key: torch.Tensor, hidden_states: torch.Tensor, norm_key_weight: torch.Tensor,
                  norm_query_weight: torch.Tensor, group_size: int, eps: float) -> torch.Tensor:
     """The gate ``g[t, m]`` of every token and stream, ``[T, M]`` in the input dtype (see `ple_gate`)."""
+    return stream_scores(key, hidden_states, norm_key_weight, norm_query_weight, group_size, eps)[1]
+
+
+def stream_scores(key: torch.Tensor, hidden_states: torch.Tensor, norm_key_weight: torch.Tensor,
+                  norm_query_weight: torch.Tensor, group_size: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(s, g)``: the score ``s[t, m]`` (after the division by ``sqrt(H)``) and the gate ``g[t, m]``, both
+    ``[T, M]`` in the input dtype (see `ple_gate`)."""
     H = group_size
     dt = key.dtype
     kn = rearrange(grouped_rms_norm(key, norm_key_weight, H, eps), "t (m h) -> t m h", h=H)
@@ -66,4 +73,4 @@ def stream_gates(key: torch.Tensor, hidden_states: torch.Tensor, norm_key_weight
     s = (kn * qn).sum(-1, dtype=acc_dtype(dt)).to(dt)           # [T, M]; product rounded, sum in fp32
     s = s / math.sqrt(H)
     mag = s.abs().clamp_min(GATE_CLAMP).sqrt()
-    return torch.sigmoid(mag * s.sign())
+    return s, torch.sigmoid(mag * s.sign())

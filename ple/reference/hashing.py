@@ -16,7 +16,7 @@ import torch
 from .. import _checks
 from ..config import PLEConfig
 
-__all__ = ["HashParams", "hash_params", "splitmix64", "primes_from", "ngram_ids"]
+__all__ = ["HashParams", "hash_params", "splitmix64", "primes_from", "ngram_ids", "ngram_windows", "ngrams_of_rows"]
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -128,6 +128,76 @@ def hash_params(config: PLEConfig, ple_layer_index: int) -> HashParams:
     )
 
 
+def _windows(ids: torch.Tensor, ctx: torch.Tensor, N: int, eos_token_id: int,
+             query_start_loc: torch.Tensor | None) -> list[torch.Tensor]:
+    """``window[k][t]``: the token k positions before token t (context included), EOS rule applied."""
+    dev = ids.device
+    T = ids.numel()
+    R = ctx.shape[0]
+    tokens = torch.arange(T, device=dev)
+    if query_start_loc is None:
+        req, pos = torch.zeros(T, dtype=torch.int64, device=dev), tokens
+    else:
+        qsl = query_start_loc.to(torch.int64)
+        req = torch.searchsorted(qsl[1:], tokens, right=True).clamp(max=max(R - 1, 0))   # [T] request of a token
+        pos = tokens - qsl[req]                                                           # position in it
+
+    # back[k][t] is the token k positions before token t: inside the chunk, or in its context.
+    back = [ids]
+    for k in range(1, N):
+        in_chunk = pos >= k
+        from_chunk = torch.cat([ids.new_zeros(min(k, T)), ids[: max(T - k, 0)]])  # ids shifted k to the right
+        from_ctx = ctx[req, (N - 1 + pos - k).clamp(0, N - 2)] if R else from_chunk
+        back.append(torch.where(in_chunk, from_chunk, from_ctx))
+
+    # EOS rule: once a step back reaches an EOS, every older entry is EOS (the EOS itself is kept).
+    window = [back[0]]
+    seen_eos = torch.zeros(T, dtype=torch.bool, device=dev)
+    for k in range(1, N):
+        window.append(torch.where(seen_eos, torch.full_like(back[k], eos_token_id), back[k]))
+        seen_eos = seen_eos | (back[k] == eos_token_id)
+
+    return window
+
+
+def ngram_windows(input_ids: torch.Tensor, *, ngram_size: int, eos_token_id: int,
+                  query_start_loc: torch.Tensor | None = None,
+                  ngram_context: torch.Tensor | None = None) -> torch.Tensor:
+    """The n-gram window each token hashes: ``[T, N]`` int64, column k the token k positions back
+    (column 0 the token itself), after the EOS rule (past an EOS every older entry is EOS).
+
+    Token t's n-gram for n = 2..N is ``window[t, :n]`` read backwards (oldest first). Arguments as
+    in `ngram_ids`.
+    """
+    N = ngram_size
+    R = 1 if query_start_loc is None else query_start_loc.numel() - 1
+    ids = input_ids.to(torch.int64)
+    ctx = (torch.full((R, N - 1), eos_token_id, dtype=torch.int64, device=ids.device) if ngram_context is None
+           else ngram_context.to(torch.int64))
+    return torch.stack(_windows(ids, ctx, N, eos_token_id, query_start_loc), 1)
+
+
+def ngrams_of_rows(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: int, eos_token_id: int,
+                   query_start_loc: torch.Tensor | None = None,
+                   ngram_context: torch.Tensor | None = None) -> dict[tuple[int, int], dict[tuple, int]]:
+    """Which n-grams of these tokens hit which table rows: ``{(head, row): {ngram: count}}``.
+
+    An n-gram is a tuple of token ids, oldest first; head h hashes the ``h // heads_per_ngram + 2``-grams.
+    Rows hit by more than one distinct n-gram are hash collisions. Arguments as in `ngram_ids`.
+    """
+    ids = ngram_ids(input_ids, params, heads_per_ngram=heads_per_ngram, eos_token_id=eos_token_id,
+                    query_start_loc=query_start_loc, ngram_context=ngram_context).tolist()
+    win = ngram_windows(input_ids, ngram_size=params.ngram_size, eos_token_id=eos_token_id,
+                        query_start_loc=query_start_loc, ngram_context=ngram_context).tolist()
+    out: dict[tuple[int, int], dict[tuple, int]] = {}
+    for t, rows in enumerate(ids):
+        for h, row in enumerate(rows):
+            gram = tuple(reversed(win[t][:h // heads_per_ngram + 2]))
+            hits = out.setdefault((h, row), {})
+            hits[gram] = hits.get(gram, 0) + 1
+    return out
+
+
 def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: int, eos_token_id: int,
               query_start_loc: torch.Tensor | None = None,
               ngram_context: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
@@ -157,28 +227,7 @@ def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: i
     else:
         ctx = ngram_context.to(torch.int64)
 
-    tokens = torch.arange(T, device=dev)
-    if query_start_loc is None:
-        req, pos = torch.zeros(T, dtype=torch.int64, device=dev), tokens
-    else:
-        qsl = query_start_loc.to(torch.int64)
-        req = torch.searchsorted(qsl[1:], tokens, right=True).clamp(max=max(R - 1, 0))   # [T] request of a token
-        pos = tokens - qsl[req]                                                           # position in it
-
-    # back[k][t] is the token k positions before token t: inside the chunk, or in its context.
-    back = [ids]
-    for k in range(1, N):
-        in_chunk = pos >= k
-        from_chunk = torch.cat([ids.new_zeros(min(k, T)), ids[: max(T - k, 0)]])  # ids shifted k to the right
-        from_ctx = ctx[req, (N - 1 + pos - k).clamp(0, N - 2)] if R else from_chunk
-        back.append(torch.where(in_chunk, from_chunk, from_ctx))
-
-    # EOS rule: once a step back reaches an EOS, every older entry is EOS (the EOS itself is kept).
-    window = [back[0]]
-    seen_eos = torch.zeros(T, dtype=torch.bool, device=dev)
-    for k in range(1, N):
-        window.append(torch.where(seen_eos, torch.full_like(back[k], eos_token_id), back[k]))
-        seen_eos = seen_eos | (back[k] == eos_token_id)
+    window = _windows(ids, ctx, N, eos_token_id, query_start_loc)
 
     m = params.multipliers.to(dev)
     sizes, offsets = params.head_sizes.to(dev), params.head_offsets.to(dev)
