@@ -12,6 +12,7 @@ import os, sys
 os.environ.pop("TRITON_INTERPRET", None)
 try:
     import triton
+    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from ple.fast import conv as F, conv_decode as D, training_conv as TC
@@ -43,26 +44,35 @@ build(F._export_kernel, dict(x_ptr="*bf16", state_ptr="*fp32", qsl_ptr="*i32", o
                              slots_ptr="*i32", rows_ptr="*i32"),
       dict(HAS_TOKEN_INDICES=True, IS_X_BF16=True, IS_STATE_BF16=False, IS_STATE_SAME_DTYPE=False, BLOCK_C=128))
 for dt, acc, varlen in (("*bf16", "*fp32", True), ("*fp64", "*fp64", False)):
-    flags = dict(K=4, DILATION=3, IS_VARLEN=varlen, IS_X_BF16=dt == "*bf16", IS_W_BF16=False,
-                 IS_FP64=dt == "*fp64", BLOCK_T=32, BLOCK_C=128)
-    p = dict(x_ptr=dt, w_ptr="*fp32", y_ptr=dt, dy_ptr=dt, g_ptr=dt, dx_ptr=dt, dw_ptr=acc, cu_ptr="*i32",
-             tiles_ptr="*i32")
-    build(TC._dcc_fwd_kernel, p, flags)
-    build(TC._dcc_bwd_gw_kernel, p, flags)
-    build(TC._dcc_bwd_dx_kernel, p, flags)
+    flags = dict(K=4, KP=4, DILATION=3, IS_VARLEN=varlen, IS_X_BF16=dt == "*bf16", IS_W_BF16=False,
+                 IS_FP64=dt == "*fp64", BLOCK_T=46, ROWS=64, SCAN=128, BLOCK_C=32)
+    p = dict(x_ptr=dt, w_ptr="*fp32", y_ptr=dt, dy_ptr=dt, dx_ptr=dt, dw_ptr=acc, cu_ptr="*i32", part_ptr=acc,
+             out_ptr=acc)
+    build(TC._dcc_fwd_kernel, p, dict(flags, BLOCK_T=55, SUB=2))
+    for det in (False, True):
+        build(TC._dcc_bwd_kernel, p, dict(flags, DETERMINISTIC=det, CHUNK=16 if det else 1,
+                                          LOG2_CHUNK=4 if det else 0, TILES=8, SPLIT=4, BLOCK_T=32 if det else 46))
+    build(TC._dcc_dw_sum_kernel, p, dict(IS_FP64=dt == "*fp64", BLOCK=1024))
 # The other parts' kernels too (they share the bfloat16 rounding of ple.fast._numerics).
 from ple.fast import embedding as E, gate as G, hashing as H
 scalars = ("eps_hi", "eps_lo", "sqrt_h")
-for kernel in (G._gate_fwd_kernel, G._gate_bwd_kernel):
-    p = {n: "*bf16" for n in kernel.arg_names if n.endswith("_ptr")}
-    p.update(dv_ptr="*fp32", dw_ptr="*fp32")
-    build(kernel, p, dict(IS_FP64=False, IS_BF16=True, IS_FP16=False, BLOCK_H=128), floats=scalars)
+gate_io = dict(IS_FP64=False, IS_BF16=True, IS_FP16=False)
+gate_ptrs = lambda k: {n: "*fp32" if n in ("coef_ptr", "part_ptr") else "*bf16" for n in k.arg_names if n.endswith("_ptr")}  # noqa: E731
+build(G._gate_fwd_kernel, gate_ptrs(G._gate_fwd_kernel), dict(gate_io, CHUNK=512, BLOCK_M=4), floats=scalars, num_warps=2)
+build(G._gate_stats_kernel, gate_ptrs(G._gate_stats_kernel), dict(IS_FP64=False, TOK=16, CHUNK=512, BLOCK_M=4),
+      floats=scalars)
+build(G._gate_bwd_kernel, gate_ptrs(G._gate_bwd_kernel), dict(gate_io, TOK=16, CHUNK=128, BLOCK_M=4), num_warps=8)
+build(G._gate_wsum_kernel, gate_ptrs(G._gate_wsum_kernel),
+      dict(IS_FP64=False, WK_BF16=True, WK_FP16=False, WQ_BF16=True, WQ_FP16=False, WC_BF16=True, WC_FP16=False,
+           BLOCK=1024))
 build(H._ngram_kernel, dict(ids_ptr="*i32", qsl_ptr="*i32", ctx_ptr="*i64", mult_ptr="*i64", sizes_ptr="*i64",
                             offsets_ptr="*i64", out_ptr="*i64", w_ptr="*bf16", emb_ptr="*bf16"),
       dict(N=3, P=8, IS_VARLEN=True, HAS_CONTEXT=True, HAS_IDS_OUT=True, HAS_TABLE=True, BLOCK_T=64, BLOCK_D=128))
 build(E._lookup_fwd_kernel, dict(w_ptr="*bf16", ids_ptr="*i64", out_ptr="*bf16"), dict(BLOCK_T=32, BLOCK_D=128))
 build(E._lookup_bwd_kernel, dict(g_ptr="*bf16", ids_ptr="*i64", dw_ptr="*fp32"),
       dict(IS_FP64=False, BLOCK_T=32, BLOCK_D=128))
+build(E._lookup_bwd_sorted_kernel, dict(g_ptr="*bf16", pairs_ptr="*i64", dw_ptr="*bf16"),
+      dict(IS_G_BF16=True, DT=tl.bfloat16, IS_DT_BF16=True, IS_FP64=False, UNROLL=8, BLOCK_D=256), num_warps=1)
 print("compiled")
 
 # SASS of the fused decode / spec kernel at the real model's widths (C = 10240, K = 4, d = 3, bfloat16

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, note
+from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from ple import fast  # the public ops: torch.library custom ops
 from ple import reference as ref
+from ple.fast import training_conv as TC
 from ple.testing.numerics import assert_close, assert_no_nan
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("poisoned_empty")]
@@ -50,6 +51,35 @@ def _index(values, dtype, column):
 )
 def test_dilated_causal_conv_matches_reference(kind, C, K, d, B, L, lens, dtype, strided, seed):
     note(dict(kind=kind, C=C, K=K, d=d, B=B, L=L, lens=lens, dtype=dtype, strided=strided, seed=seed))
+    _check_against_reference(kind, C, K, d, B, L, lens, dtype, strided, seed)
+
+
+# Block sizes small enough that the cases above span many tiles, channel blocks and backward programs:
+# (forward rows, forward channels, channel blocks per forward program, backward rows, backward channels,
+# tiles per backward program).
+SMALL_SIZES = [(16, 4, 2, 16, 4, 1), (32, 8, 1, 32, 2, 3), (16, 2, 3, 64, 8, 2)]
+
+
+@given(
+    sizes=st.sampled_from(SMALL_SIZES),
+    kind=st.sampled_from(["dense", "packed"]), C=st.sampled_from([5, 13]), K=st.integers(1, 5),
+    d=st.integers(1, 4), L=st.sampled_from([7, 40, 75]),
+    lens=st.lists(st.sampled_from([0, 1, 5, 33, 70]), min_size=1, max_size=4),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**31 - 1),
+)
+@settings(max_examples=10)
+def test_dilated_causal_conv_small_tiles_match_reference(sizes, kind, C, K, d, L, lens, dtype, seed):
+    """Tiles much shorter than the sequences: halos across tiles, several tiles per backward program."""
+    note(dict(sizes=sizes, kind=kind, C=C, K=K, d=d, L=L, lens=lens, dtype=dtype, seed=seed))
+    with pytest.MonkeyPatch.context() as m:
+        for name, v in zip(("FWD_ROWS", "FWD_CHANNELS", "FWD_SUB", "BWD_ROWS", "BWD_CHANNELS", "BWD_TILES"),
+                           sizes, strict=True):
+            m.setattr(TC, name, v)
+        m.setattr(TC, "MIN_OWNED", 1)
+        _check_against_reference(kind, C, K, d, 2, L, lens, dtype, False, seed)
+
+
+def _check_against_reference(kind, C, K, d, B, L, lens, dtype, strided, seed):
     g = torch.Generator().manual_seed(seed)
     cu = None
     if kind == "dense":
