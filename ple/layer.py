@@ -222,6 +222,26 @@ class PLELayer(nn.Module):
         """
         return self.table.rows(ids, dtype, ops=self.ops, validate=validate)
 
+    def hashed_rows(self, input_ids: torch.Tensor, dtype: torch.dtype, *, query_start_loc: torch.Tensor,
+                    ngram_context: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
+        """The table rows of ``[T]`` tokens' n-grams, ``[T, E]`` in ``dtype``: `ngram_ids` then `embed`.
+
+        On the Triton backend with a plain dense table in the tokens' memory (not quantized,
+        sharded, offloaded, with a sparse gradient, or a prefetch pending) this is one kernel,
+        ``ple.fast.ngram_embedding``: the ids are hashed and the rows gathered without writing
+        the ids to memory (bit for bit the same rows; its backward hashes again).
+        """
+        cfg = self.config
+        kw = dict(heads_per_ngram=cfg.heads_per_ngram, eos_token_id=cfg.eos_token_id,
+                  query_start_loc=query_start_loc, ngram_context=ngram_context)
+        t = self.table
+        if (self.backend == "triton" and type(t) is DenseTable and not t.sparse_grad and t.pending_prefetch is None
+                and t.weight.device == input_ids.device):
+            return self.ops.ngram_embedding(t.weight, input_ids, self.ple_embedding.hash_params(), **kw,
+                                            validate=validate).to(dtype)
+        ids = self.ops.ngram_ids(input_ids, self.ple_embedding.hash_params(), **kw, validate=validate)
+        return self.embed(ids, dtype, validate=False)                  # ids of our own hash
+
     def start_prefetch(self, input_ids: torch.Tensor, query_start_loc: torch.Tensor | None = None,
                        ngram_context: torch.Tensor | None = None) -> None:
         """Hash the next step's tokens and start fetching their table rows (``ple.offload``).
@@ -317,10 +337,14 @@ class PLELayer(nn.Module):
         # The token range of input_ids is a value check (a host read); the fast ops make it inside their
         # registered op, at run time; a compiled reference graph skips it (see the docstring).
         check_values = self.backend == "triton" or not torch.compiler.is_compiling()
-        ids = self.ops.ngram_ids(input_ids.reshape(B * L), self.ple_embedding.hash_params(),
-                                  heads_per_ngram=self.config.heads_per_ngram, eos_token_id=eos,
-                                  query_start_loc=query_start_loc, validate=check_values)
-        emb = self.embed(ids, hidden_states.dtype, validate=False)   # [B*L, E]; ids of our own hash
+        if return_intermediates:
+            ids = self.ops.ngram_ids(input_ids.reshape(B * L), self.ple_embedding.hash_params(),
+                                      heads_per_ngram=self.config.heads_per_ngram, eos_token_id=eos,
+                                      query_start_loc=query_start_loc, validate=check_values)
+            emb = self.embed(ids, hidden_states.dtype, validate=False)   # [B*L, E]; ids of our own hash
+        else:
+            emb = self.hashed_rows(input_ids.reshape(B * L), hidden_states.dtype, query_start_loc=query_start_loc,
+                                   validate=check_values)
         key, value = self.project(emb)
         gated, conv_input = self.ops.ple_gate(key, value, hidden_states.reshape(B * L, C), self.norm_key.weight,
                                               self.norm_query.weight, self.norm_conv.weight, self.config.rms_norm_eps)

@@ -62,11 +62,8 @@ def compute_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PL
     """The step's tensor work, ``[T, C] -> [T, C]``: the ops run with ``validate=False`` (the plan was
     validated on the host by ``cache.schedule``), so no tensor becomes a Python value."""
     ops = layer.ops
-    cfg = layer.config
-    ids = ops.ngram_ids(batch.input_ids, layer.ple_embedding.hash_params(), heads_per_ngram=cfg.heads_per_ngram,
-                        eos_token_id=cfg.eos_token_id, query_start_loc=batch.query_start_loc,
-                        ngram_context=batch.ngram_context, validate=False)
-    emb = layer.embed(ids, hidden_states.dtype, validate=False)          # [T, E]
+    emb = layer.hashed_rows(batch.input_ids, hidden_states.dtype, query_start_loc=batch.query_start_loc,
+                            ngram_context=batch.ngram_context, validate=False)   # [T, E]
     out, conv_input = layer.gate(emb, hidden_states)                     # gated becomes the output in place
     state = cache.conv_state(layer.ple_layer_index)                      # [num_slots, C, W] view
     weights = layer.conv_weights.to(conv_input.dtype)
