@@ -15,7 +15,8 @@ def test_reprs_are_short_and_say_what_matters():
     a = cache.allocate()
     batch = cache.schedule([Prefill(a, list(range(40)))])
     params = ple.reference.hash_params(config, 0)
-    result = replay([ple.PLELayer(config, i) for i in range(config.num_ple_layers)], PLECache(config, 4, num_spec_tokens=2),
+    layers = [ple.PLELayer(config, i) for i in range(config.num_ple_layers)]
+    result = replay(layers, PLECache(config, 4, num_spec_tokens=2),
                     random_script(random.Random(0), vocab_size=config.vocab_size, eos_token_id=config.eos_token_id,
                                   num_requests=2, max_live=2, num_spec_tokens=2))
     texts = {"cache": repr(cache), "batch": repr(batch), "params": repr(params), "result": repr(result)}

@@ -28,7 +28,8 @@ import triton.language as tl
 
 from ..reference.gate import acc_dtype
 
-__all__ = ["acc_dtype", "is_fp64", "deterministic", "DETERMINISTIC_CHUNK", "pow2_block", "block_c", "tile_grid", "search_steps", "tile_of", "TIME_BLOCK",
+__all__ = ["acc_dtype", "is_fp64", "deterministic", "DETERMINISTIC_CHUNK",
+           "pow2_block", "block_c", "tile_grid", "search_steps", "tile_of", "TIME_BLOCK",
            "MAX_BLOCK_C", "bf16_to_f32", "f32_to_bf16", "round_bf16", "up", "down",
            "rnd", "convert", "silu"]
 

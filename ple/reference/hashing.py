@@ -219,7 +219,6 @@ def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: i
     check(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
     dev = input_ids.device
     N = params.multipliers.numel()
-    T = input_ids.numel()
     R = 1 if query_start_loc is None else query_start_loc.numel() - 1
     ids = input_ids.to(torch.int64)
     if ngram_context is None:

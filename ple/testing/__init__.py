@@ -9,8 +9,16 @@ comparison helpers every equivalence test uses; ``ple.testing.strategies`` holds
 strategies for configs, varlen batches and serving schedules; ``ple.testing.serving`` the replay.
 """
 
-from .kit import (check_dilated_causal_conv, check_embedding_lookup, check_export_conv_checkpoints, check_layer,
-                  check_ngram_ids, check_ple_conv, check_ple_gate, poisoned_empty)
+from .kit import (
+                  check_dilated_causal_conv,
+                  check_embedding_lookup,
+                  check_export_conv_checkpoints,
+                  check_layer,
+                  check_ngram_ids,
+                  check_ple_conv,
+                  check_ple_gate,
+                  poisoned_empty,
+)
 
 __all__ = ["check_ngram_ids", "check_embedding_lookup", "check_ple_gate", "check_ple_conv",
            "check_export_conv_checkpoints", "check_dilated_causal_conv", "check_layer", "poisoned_empty"]

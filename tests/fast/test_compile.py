@@ -57,8 +57,10 @@ for dt, acc, varlen in (("*bf16", "*fp32", True), ("*fp64", "*fp64", False)):
 from ple.fast import embedding as E, gate as G, hashing as H
 scalars = ("eps_hi", "eps_lo", "sqrt_h")
 gate_io = dict(IS_FP64=False, IS_BF16=True, IS_FP16=False)
-gate_ptrs = lambda k: {n: "*fp32" if n in ("coef_ptr", "part_ptr") else "*bf16" for n in k.arg_names if n.endswith("_ptr")}  # noqa: E731
-build(G._gate_fwd_kernel, gate_ptrs(G._gate_fwd_kernel), dict(gate_io, CHUNK=512, BLOCK_M=4), floats=scalars, num_warps=2)
+gate_ptrs = lambda k: {n: "*fp32" if n in ("coef_ptr", "part_ptr") else "*bf16"  # noqa: E731
+                       for n in k.arg_names if n.endswith("_ptr")}
+build(G._gate_fwd_kernel, gate_ptrs(G._gate_fwd_kernel), dict(gate_io, CHUNK=512, BLOCK_M=4), floats=scalars,
+      num_warps=2)
 build(G._gate_stats_kernel, gate_ptrs(G._gate_stats_kernel), dict(IS_FP64=False, TOK=16, CHUNK=512, BLOCK_M=4),
       floats=scalars)
 build(G._gate_bwd_kernel, gate_ptrs(G._gate_bwd_kernel), dict(gate_io, TOK=16, CHUNK=128, BLOCK_M=4), num_warps=8)

@@ -89,7 +89,8 @@ def test_raw_buffer_holds_the_documented_layout(lens, spec, seed, layout):
     cache = PLECache(config, len(lens) + 1, num_spec_tokens=2, layout=layout)
     g = torch.Generator().manual_seed(seed)
     slots = [cache.allocate() for _ in lens]
-    items = [Prefill(s, torch.randint(0, config.vocab_size, (n,), generator=g).tolist()) for s, n in zip(slots, lens, strict=True)]
+    items = [Prefill(s, torch.randint(0, config.vocab_size, (n,), generator=g).tolist())
+             for s, n in zip(slots, lens, strict=True)]
     hidden = torch.randn(sum(lens), C, generator=g)
     _, conv_in = _step(layers, cache, items, hidden)
     history = {}

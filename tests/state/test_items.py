@@ -10,7 +10,8 @@ import ple
 from ple.state import Decode, PLECache, Prefill, Spec
 
 
-@pytest.mark.parametrize("tokens", [[3, 4, 5], (3, 4, 5), torch.tensor([3, 4, 5]), torch.tensor([3, 4, 5], dtype=torch.int32),
+@pytest.mark.parametrize("tokens", [[3, 4, 5], (3, 4, 5), torch.tensor([3, 4, 5]),
+                                    torch.tensor([3, 4, 5], dtype=torch.int32),
                                     np.array([3, 4, 5]), np.array([3, 4, 5], dtype=np.int32),
                                     [np.int64(3), np.int32(4), 5]])
 def test_token_forms_schedule_alike(tokens):

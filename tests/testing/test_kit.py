@@ -11,8 +11,15 @@ import torch
 import ple
 from ple import reference as ref
 from ple.backends import OP_NAMES
-from ple.testing import (check_dilated_causal_conv, check_embedding_lookup, check_export_conv_checkpoints,
-                         check_layer, check_ngram_ids, check_ple_conv, check_ple_gate)
+from ple.testing import (
+    check_dilated_causal_conv,
+    check_embedding_lookup,
+    check_export_conv_checkpoints,
+    check_layer,
+    check_ngram_ids,
+    check_ple_conv,
+    check_ple_gate,
+)
 
 CHECKS = {"ngram_ids": check_ngram_ids, "embedding_lookup": check_embedding_lookup, "ple_gate": check_ple_gate,
           "ple_conv": check_ple_conv, "export_conv_checkpoints": check_export_conv_checkpoints,

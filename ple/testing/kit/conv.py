@@ -231,7 +231,8 @@ def export_cases(draw, *, max_channels: int = 300, dtypes=DTYPES):
     S = draw(st.integers(1, 9))
     lens = draw(st.lists(st.integers(0, 25), min_size=0, max_size=4))
     return dict(C=draw(_channels(max_channels)), S=S, lens=lens, dtype=draw(st.sampled_from(list(dtypes))),
-                state_dtype=draw(st.sampled_from(["same", "float32"])), layout=draw(st.sampled_from(["cw", "wc", "tail"])),
+                state_dtype=draw(st.sampled_from(["same", "float32"])),
+                layout=draw(st.sampled_from(["cw", "wc", "tail"])),
                 token_indices=draw(st.booleans()), null_at_end=draw(st.booleans()),
                 choice=draw(st.lists(st.integers(0, 3), min_size=len(lens), max_size=len(lens))),
                 index_dtype=draw(st.sampled_from([torch.int32, torch.int64])), seed=draw(st.integers(0, 2**31 - 1)))

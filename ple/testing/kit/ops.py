@@ -178,7 +178,8 @@ def _scores(inputs: dict, H: int, eps: float) -> torch.Tensor:
 def _dcc_cases(draw, dtypes, max_channels):
     packed = draw(st.booleans())
     lens = draw(st.lists(st.sampled_from([0, 1, 2, 5, 17, 40]) | st.integers(0, 70), min_size=1, max_size=4))
-    return dict(C=draw(st.one_of(st.integers(1, max_channels), st.sampled_from([1, 5, 130]))), K=draw(st.integers(1, 5)),
+    return dict(C=draw(st.one_of(st.integers(1, max_channels), st.sampled_from([1, 5, 130]))),
+                K=draw(st.integers(1, 5)),
                 dilation=draw(st.integers(1, 4)), packed=packed, lens=lens if packed else None,
                 B=draw(st.integers(1, 3)), L=draw(st.integers(0, 70)), dtype=draw(st.sampled_from(list(dtypes))),
                 index_dtype=draw(st.sampled_from([torch.int32, torch.int64])), seed=draw(st.integers(0, 2**31 - 1)))
