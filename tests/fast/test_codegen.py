@@ -1,4 +1,6 @@
-"""The compiled-kernel report (``benchmarks/codegen.py --smoke``) runs and says what holds today."""
+"""The compiled-kernel report (``benchmarks/codegen.py --check``) at the model's widths: every kernel the public
+fast ops launch compiles for sm_90 and meets issue 13's goals (no spills, >= 90 % of global bytes in 128-bit
+instructions, >= 2 CTAs per SM), except the shortfalls ``WAIVERS`` lists with their reason, each still real."""
 
 from __future__ import annotations
 
@@ -15,23 +17,24 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests compile the kernels")
-def test_codegen_smoke_report(tmp_path):
-    """Capture the smoke subset's launches, compile them for sm_90 (fresh cache) and check the report."""
+def test_codegen_report_meets_the_goals(tmp_path):
+    """Capture every launch, compile it for sm_90 (fresh report cache) and check the report."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     env["PLE_CODEGEN_CACHE"] = str(tmp_path / "cache")
     out = tmp_path / "report.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "codegen.py"), "--smoke", "--json", str(out)],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "codegen.py"), "--check", "--json", str(out)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
     if proc.returncode == 3:
         pytest.skip(proc.stdout.strip())
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "Short of the issue's goals" in proc.stdout, proc.stdout
+    assert proc.returncode == 0, "\n".join(line for line in proc.stdout.splitlines() if "CHECK" in line) or \
+        proc.stdout + proc.stderr
 
     rep = json.loads(out.read_text())
-    assert rep["target"] == "cuda sm_90" and rep["smoke"]
+    assert rep["target"] == "cuda sm_90" and not rep["smoke"]
     rows = rep["rows"]
-    assert {r["kernel"] for r in rows} >= {"_step_fused_kernel", "_lookup_fwd_kernel"}, rows
+    assert {r["op"] for r in rows} == {"ple_conv", "export", "embedding_lookup", "ngram_ids", "ngram_embedding",
+                                       "ple_prefill", "ple_gate", "dilated_causal_conv"}, rows
     assert all(r["compiled"] for r in rows), [r for r in rows if not r["compiled"]]
     keys = ("regs", "stack", "shared", "num_warps", "ctas_per_sm", "ld128_share", "st128_share", "grid", "tokens",
             "bytes_per_token", "min_bytes_per_token", "local_insts")
@@ -41,10 +44,10 @@ def test_codegen_smoke_report(tmp_path):
         assert r["bytes_per_token"] > 0 and r["min_bytes_per_token"] > 0, r
 
     decode = [r for r in rows if r["kernel"] == "_step_fused_kernel"]
-    assert sorted(r["grid"][0] for r in decode) == [1, 1, 64, 64, 256, 256]     # R = 1 / 64 / 256, both layouts
+    assert sorted(r["grid"][0] for r in decode if "decode" in r["case"]) == [1, 1, 64, 64, 256, 256]  # R, layouts
     assert all(r["grid"][1] == 10 for r in decode)                              # C 10240 over 1024-channel blocks
     for r in decode:
-        assert r["constexprs"]["K"] == 4 and r["constexprs"]["MODE"] == 1, r
+        assert r["constexprs"]["K"] == 4 and r["constexprs"]["MODE"] == (1 if "decode" in r["case"] else 2), r
         if r["case"].endswith(" cl"):            # channels-last state: no local memory, 128-bit state accesses
             assert r["local_insts"] == 0 and r["stack"] == 0, r
             assert r["ld128_share"] > 0 and r["st128_share"] > 0, r
