@@ -1,8 +1,8 @@
 """Triton kernels with the names and signatures of ``ple.reference``.
 
 One module per part, mirroring the reference: ``hashing``, ``embedding``, ``gate``,
-``conv`` (the serving step; its fused decode / spec kernel in ``conv_decode``) and
-``training_conv``. Each holds, in this order, its kernels, their launchers and the op's
+``conv`` (the serving step; its fused decode / spec kernel in ``conv_decode``),
+``training_conv`` and ``prefill`` (gate + conv + adds of whole requests in one pass). Each holds, in this order, its kernels, their launchers and the op's
 registration with ``torch.library`` (``torch.ops.ple.*``, through ``_library.register``) so ``torch.compile`` traces the
 layer without graph breaks. The public functions take the signature and docstring of
 their reference twin (``_library.twin``); each checks the call's metadata
@@ -21,10 +21,12 @@ from .conv import export_conv_checkpoints, ple_conv
 from .embedding import embedding_lookup
 from .gate import ple_gate
 from .hashing import ngram_embedding, ngram_ids
+from .prefill import ple_prefill
 from .training_conv import dilated_causal_conv
 
 __all__ = [
     "HashParams", "hash_params", "splitmix64", "ngram_ids", "embedding_lookup", "grouped_rms_norm",
     "ple_gate", "ple_conv", "export_conv_checkpoints", "dilated_causal_conv",
+    "ple_prefill",      # gate, mask, conv, silu and both residual adds in one pass (reference: their composition)
     "ngram_embedding",  # extra of ple.fast: hash + gather in one kernel
 ]
