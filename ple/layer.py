@@ -316,6 +316,9 @@ class PLELayer(nn.Module):
         token hashes as EOS and its gated value and conv input are zeroed before the
         convolution (so left or right padding does not leak into real tokens).
 
+        On the Triton backend the gate, the mask, the conv and both adds run as one kernel
+        (``ple.fast.ple_prefill``, property-tested against their reference composition).
+
         Under ``torch.compile`` on the reference backend the range check of ``input_ids``
         (a read of their values) is skipped, so the graph has no break; eager calls and
         the Triton backend always check it.
@@ -346,6 +349,13 @@ class PLELayer(nn.Module):
             emb = self.hashed_rows(input_ids.reshape(B * L), hidden_states.dtype, query_start_loc=query_start_loc,
                                    validate=check_values)
         key, value = self.project(emb)
+        if self.backend == "triton" and not return_intermediates:   # the fused gate + conv + adds
+            out = self.ops.ple_prefill(key, value, hidden_states.reshape(B * L, C), self.norm_key.weight,
+                                       self.norm_query.weight, self.norm_conv.weight, self.config.rms_norm_eps,
+                                       self.conv_weights, dilation=self.config.conv_dilation,
+                                       query_start_loc=query_start_loc,
+                                       keep=None if keep is None else keep.reshape(B * L), validate=False)
+            return out.reshape(B, L, C)
         gated, conv_input = self.ops.ple_gate(key, value, hidden_states.reshape(B * L, C), self.norm_key.weight,
                                               self.norm_query.weight, self.norm_conv.weight, self.config.rms_norm_eps)
         if keep is not None:

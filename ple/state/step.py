@@ -60,13 +60,25 @@ def begin_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLEC
 
 def compute_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLECache) -> torch.Tensor:
     """The step's tensor work, ``[T, C] -> [T, C]``: the ops run with ``validate=False`` (the plan was
-    validated on the host by ``cache.schedule``), so no tensor becomes a Python value."""
+    validated on the host by ``cache.schedule``), so no tensor becomes a Python value. On the Triton
+    backend a step of prefills only (no checkpoints) runs gate, conv and adds as one kernel
+    (``ple.fast.ple_prefill``); other steps gate all rows once and run a conv per mode."""
     ops = layer.ops
     emb = layer.hashed_rows(batch.input_ids, hidden_states.dtype, query_start_loc=batch.query_start_loc,
                             ngram_context=batch.ngram_context, validate=False)   # [T, E]
-    out, conv_input = layer.gate(emb, hidden_states)                     # gated becomes the output in place
     state = cache.conv_state(layer.ple_layer_index)                      # [num_slots, C, W] view
-    weights = layer.conv_weights.to(conv_input.dtype)
+    weights = layer.conv_weights.to(hidden_states.dtype)
+    if (layer.backend == "triton" and not batch.num_spec_decodes and not batch.num_decodes
+            and not batch.has_checkpoints):                              # prefills only: one fused kernel
+        key, value = layer.project(emb)
+        return ops.ple_prefill(key, value, hidden_states, layer.norm_key.weight, layer.norm_query.weight,
+                               layer.norm_conv.weight, layer.config.rms_norm_eps, weights,
+                               dilation=cache.config.conv_dilation, query_start_loc=batch.query_start_loc_p,
+                               conv_state=state, state_indices=batch.state_indices,
+                               has_initial_states=batch.has_initial_states_p,
+                               token_indices=batch.non_spec_token_indices, null_slot=cache.null_slot,
+                               validate=False)
+    out, conv_input = layer.gate(emb, hidden_states)                     # gated becomes the output in place
     step_conv(ops, conv_input, out, state, weights, batch, cache, outer_residual=hidden_states)
     return out
 
