@@ -257,7 +257,7 @@ def compile_all(jobs: dict, use_cache: bool) -> dict:
     """``{key: stats}`` for ``{key: job}``: from the cache, else compiled, in parallel over the CPU's cores
     (forked workers; one process where fork is unavailable), then cached."""
     out, todo = {}, []
-    for key, job in jobs.items():
+    for key in jobs:
         path = CACHE / f"{key}.json"
         if use_cache and path.exists():
             out[key] = json.loads(path.read_text())

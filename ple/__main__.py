@@ -11,8 +11,10 @@ from .io import cli as io_cli
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m ple", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="python -m ple", description="ple's command line: a serving demo "
+                                     "checked against the whole-sequence layer, and checkpoint tools. "
+                                     "`python -m ple COMMAND --help` describes each command's options.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
     demo._parser(sub)
     io_cli.register(sub)
     args = parser.parse_args(argv)

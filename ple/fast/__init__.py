@@ -2,8 +2,9 @@
 
 One module per part, mirroring the reference: ``hashing``, ``embedding``, ``gate``,
 ``conv`` (the serving step; its fused decode / spec kernel in ``conv_decode``),
-``training_conv`` and ``prefill`` (gate + conv + adds of whole requests in one pass). Each holds, in this order, its kernels, their launchers and the op's
-registration with ``torch.library`` (``torch.ops.ple.*``, through ``_library.register``) so ``torch.compile`` traces the
+``training_conv`` and ``prefill`` (gate + conv + adds of whole requests in one pass). Each
+holds, in this order, its kernels, their launchers and the op's registration with
+``torch.library`` (``torch.ops.ple.*``, through ``_library.register``) so ``torch.compile`` traces the
 layer without graph breaks. The public functions take the signature and docstring of
 their reference twin (``_library.twin``); each checks the call's metadata
 (``ple._checks.<op>_meta``) before dispatch, and the registered op checks the index

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from .._progress import byte_bar
+
 __all__ = ["TensorInfo", "Checkpoint", "Entry", "write_file", "write_files", "INDEX_NAME",
            "ST_DTYPES", "dtype_name", "human_bytes"]
 
@@ -370,6 +372,7 @@ def write_file(path, entries: list[Entry], metadata: dict[str, str] | None = Non
     blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
     blob += b" " * (-len(blob) % 8)
     tmp = path.with_name(path.name + ".tmp")
+    bar = byte_bar(offset, desc=path.name)                 # a progress bar on a terminal, silent otherwise
     try:
         with open(tmp, "wb") as fh:
             fh.write(struct.pack("<Q", len(blob)))
@@ -379,13 +382,17 @@ def write_file(path, entries: list[Entry], metadata: dict[str, str] | None = Non
                 for block in e.produce():
                     if block.dtype != e.dtype:
                         raise TypeError(f"{e.key}: a block came as {block.dtype}, expected {e.dtype}")
-                    written += _write_tensor(fh, block)
+                    n = _write_tensor(fh, block)
+                    written += n
+                    bar.update(n)
                 if written != e.nbytes:
                     raise ValueError(f"{e.key}: the producer gave {written} bytes, expected {e.nbytes} "
                                      f"for shape {list(e.shape)}")
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+    finally:
+        bar.close()
     os.replace(tmp, path)
 
 
