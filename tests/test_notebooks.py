@@ -1,4 +1,4 @@
-"""Every notebook in ``notebooks/`` runs top to bottom and draws at least one plot.
+"""Every notebook in ``notebooks/`` runs top to bottom, draws at least one plot, and labels every axis and colorbar.
 
 The notebooks are executed with nbclient in a Jupyter kernel running this interpreter, with
 ``SMOKE_TEST=1`` (each notebook shrinks itself), ``MPLBACKEND=Agg`` and one OpenMP thread. Each
@@ -24,6 +24,27 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 NOTEBOOK_TIMEOUT = 150  # seconds per notebook, kernel start included
 KERNEL = "ple-notebooks"
+
+# Run right after a notebook's first code cell: every plt.show() checks that each axis and colorbar of the
+# figures it shows has a label; the last cell asserts none was missing.
+LABEL_CHECK = """
+import matplotlib.pyplot as _plt
+_plt_show, _unlabelled = _plt.show, []
+def _labelled_show(*args, **kwargs):
+    for num in _plt.get_fignums():
+        for ax in _plt.figure(num).axes:
+            if not ax.axison:
+                continue
+            where = repr(ax.get_title() or _plt.figure(num).get_suptitle())
+            if hasattr(ax, "_colorbar"):
+                if not (ax.get_ylabel() or ax.get_xlabel()):
+                    _unlabelled.append(f"{where}: a colorbar without a label")
+                continue
+            _unlabelled.extend(f"{where}: no {n} label" for n, lab in (("x", ax.get_xlabel()),
+                                                                        ("y", ax.get_ylabel())) if not lab)
+    return _plt_show(*args, **kwargs)
+_plt.show = _labelled_show
+"""
 
 
 def _runs_kernels(path: pathlib.Path) -> bool:
@@ -78,6 +99,9 @@ def test_notebook_runs_and_plots(path, jupyter_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("PYDEVD_DISABLE_FILE_VALIDATION", "1")
     nb = nbformat.read(path, as_version=4)
+    first = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
+    nb.cells.insert(first + 1, nbformat.v4.new_code_cell(LABEL_CHECK))
+    nb.cells.append(nbformat.v4.new_code_cell("assert not _unlabelled, _unlabelled"))
     start = time.monotonic()
     deadline = start + NOTEBOOK_TIMEOUT       # one budget for the whole notebook: each cell gets what is left
     client = NotebookClient(nb, kernel_name=KERNEL, resources={"metadata": {"path": str(path.parent)}},
