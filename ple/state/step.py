@@ -7,7 +7,8 @@ import torch
 from .. import _checks
 from .cache import PLECache, StepBatch
 
-__all__ = ["layer_step", "begin_step", "compute_step", "step_conv", "check_same_config", "STEP_FIELDS"]
+__all__ = ["layer_step", "begin_step", "compute_step", "step_conv", "uses_fused_prefill", "check_same_config",
+           "STEP_FIELDS"]
 
 
 STEP_FIELDS = ("vocab_size", "hidden_size", "hc_count", "eos_token_id", "ngram_size", "ple_conv_kernel_size",
@@ -68,8 +69,7 @@ def compute_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PL
                             ngram_context=batch.ngram_context, validate=False)   # [T, E]
     state = cache.conv_state(layer.ple_layer_index)                      # [num_slots, C, W] view
     weights = layer.conv_weights.to(hidden_states.dtype)
-    if (layer.backend == "triton" and not batch.num_spec_decodes and not batch.num_decodes
-            and not batch.has_checkpoints):                              # prefills only: one fused kernel
+    if uses_fused_prefill(layer, batch):                                 # prefills only: one fused kernel
         key, value = layer.project(emb)
         return ops.ple_prefill(key, value, hidden_states, layer.norm_key.weight, layer.norm_query.weight,
                                layer.norm_conv.weight, layer.config.rms_norm_eps, weights,
@@ -81,6 +81,13 @@ def compute_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PL
     out, conv_input = layer.gate(emb, hidden_states)                     # gated becomes the output in place
     step_conv(ops, conv_input, out, state, weights, batch, cache, outer_residual=hidden_states)
     return out
+
+
+def uses_fused_prefill(layer, batch: StepBatch) -> bool:
+    """Whether `compute_step` runs ``batch`` as one fused ``ple_prefill`` (Triton backend, prefills only, no
+    prefix-cache checkpoints: those need the conv inputs in memory)."""
+    return (layer.backend == "triton" and not batch.num_spec_decodes and not batch.num_decodes
+            and not batch.has_checkpoints)
 
 
 def step_conv(ops, conv_input: torch.Tensor, residual: torch.Tensor, state: torch.Tensor, weights: torch.Tensor,

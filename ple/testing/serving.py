@@ -111,12 +111,24 @@ class ReplayResult:
 
 
 def conv_inputs_of_step(layer, hidden, batch) -> torch.Tensor:
-    """The conv inputs the layer computed inside `step` for these rows (same ops, same shapes: same bits)."""
+    """The conv inputs the layer computed inside `step` for these rows (same ops, same shapes: same bits).
+
+    A step the Triton backend runs as one fused prefill (``ple.state.step.uses_fused_prefill``) never
+    materialises them: they come from ``ple.fast.prefill.prefill_conv_inputs``, the arithmetic of the
+    kernel that writes its states.
+    """
+    from ..state.step import uses_fused_prefill
     cfg = layer.config
     ids = layer.ops.ngram_ids(batch.input_ids, layer.ple_embedding.hash_params(),
                               heads_per_ngram=cfg.heads_per_ngram, eos_token_id=cfg.eos_token_id,
                               query_start_loc=batch.query_start_loc, ngram_context=batch.ngram_context)
-    return layer.gate(layer.embed(ids, hidden.dtype), hidden)[1]
+    emb = layer.embed(ids, hidden.dtype)
+    if uses_fused_prefill(layer, batch):
+        from ..fast.prefill import prefill_conv_inputs
+        key, value = layer.project(emb)
+        return prefill_conv_inputs(key, value, hidden, layer.norm_key.weight, layer.norm_query.weight,
+                                   layer.norm_conv.weight, cfg.rms_norm_eps, cfg.conv_state_len)
+    return layer.gate(emb, hidden)[1]
 
 
 def replay(layers, cache: PLECache, script, *, generator: torch.Generator | None = None,
