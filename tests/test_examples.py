@@ -53,3 +53,13 @@ def test_every_readme_python_block_runs_as_pasted(tmp_path):
         if "check_ple_conv(my_conv" in code:          # "Test your own kernel": the report it shows
             first = done.stdout.strip().splitlines()[0]
             assert first.startswith("ple_conv prefill: residual differs at request"), done.stdout
+
+
+def test_import_and_demo_need_no_test_dependencies():
+    """The README's first command installs only ``-e .``: ``import ple`` and the demo must not need Hypothesis."""
+    code = ("import sys; sys.modules['hypothesis'] = None\n"
+            "import ple, ple.__main__\n"
+            "assert ple.__main__.main(['demo', '--steps', '2', '--layers', '1']) == 0\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr

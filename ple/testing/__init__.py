@@ -9,16 +9,13 @@ comparison helpers every equivalence test uses; ``ple.testing.strategies`` holds
 strategies for configs, varlen batches and serving schedules; ``ple.testing.serving`` the replay.
 """
 
-from .kit import (
-                  check_dilated_causal_conv,
-                  check_embedding_lookup,
-                  check_export_conv_checkpoints,
-                  check_layer,
-                  check_ngram_ids,
-                  check_ple_conv,
-                  check_ple_gate,
-                  poisoned_empty,
-)
-
 __all__ = ["check_ngram_ids", "check_embedding_lookup", "check_ple_gate", "check_ple_conv",
            "check_export_conv_checkpoints", "check_dilated_causal_conv", "check_layer", "poisoned_empty"]
+
+
+def __getattr__(name: str):
+    """The kit loads on first use: it needs Hypothesis (``pip install -e '.[dev]'``), ``import ple`` does not."""
+    if name in __all__:
+        from . import kit
+        return getattr(kit, name)
+    raise AttributeError(f"module 'ple.testing' has no attribute {name!r}")
