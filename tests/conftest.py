@@ -43,26 +43,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
-_real_empty, _real_empty_like = torch.empty, torch.empty_like
-
-
-def _poison(t: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        if t.dtype.is_floating_point:
-            t.fill_(float("nan"))
-        elif t.dtype in (torch.int32, torch.int64):
-            t.fill_(-7)
-    return t
-
-
 @pytest.fixture
-def poisoned_empty(monkeypatch):
+def poisoned_empty():
     """Fresh buffers hold NaN (floats) or -7 (int32/int64) while the test runs: an element no kernel
-    writes shows up as a mismatch. The one NaN-poisoning fixture; kernel tests use it through
-    ``pytestmark = pytest.mark.usefixtures("poisoned_empty")``."""
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: _poison(_real_empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: _poison(_real_empty_like(*a, **k)))
-    assert torch.isnan(torch.empty(2)).all()
+    writes shows up as a mismatch. Kernel tests use it through
+    ``pytestmark = pytest.mark.usefixtures("poisoned_empty")``; it is the kit's own context manager
+    (``ple.testing.poisoned_empty``), so tests and the public checks poison alike."""
+    from ple.testing.kit import poisoned_empty as poison
+
+    with poison():
+        assert torch.isnan(torch.empty(2)).all()
+        yield
 
 
 @pytest.fixture(autouse=True)
