@@ -1,0 +1,259 @@
+"""``ple`` inside a transformers ``Qwen4Exp*`` model: `patch` swaps its PLE modules for ``ple``-backed ones.
+
+::
+
+    from transformers import Qwen4ExpForCausalLM
+    from ple.integrations.transformers import patch
+
+    model = patch(Qwen4ExpForCausalLM.from_pretrained(path), backend="auto")
+    model.generate(input_ids, attention_mask=mask, max_new_tokens=32)      # the model's own cache
+
+Needs transformers >= 5.23 (``pip install 'ple[hf]'``); importing ``ple`` never imports it.
+
+Every ``Qwen4ExpTextPLELayer`` of the model (the causal-LM and the conditional-generation
+forms alike) is replaced by a `TransformersPLELayer`: a `PLELayer` whose ``forward`` takes
+the model's module's arguments ``(hidden_states, input_ids, past_key_values, conv_mask)``
+and returns what that module returns, the layer's own term ``gated + conv`` (the decoder
+layer adds it to the hidden states; it is computed directly, never as ``layer(h) - h``).
+It holds the *same* parameter and buffer objects under the same names, so ``state_dict()``,
+``save_pretrained``, optimizers built before the patch and tied references are unchanged,
+and `unpatch` puts the model's modules back.
+
+Why replace modules rather than use transformers' kernel hub (``kernels`` /
+``use_kernel_forward_from_hub``): that mechanism swaps the ``forward`` of classes the model
+marks with a hub layer name, and transformers 5.23 marks no PLE class; it also fetches
+kernels from the Hub, where these are a local package. A module swap is what it would do
+underneath, done here with the parameters shared.
+
+Caching: during ``generate()`` the module reads and writes the model's own cache object
+exactly as the model's module does, through ``get_conv_state`` / ``update_conv_state`` of
+the PLE layer's decoder index: conv state 2 holds the last N - 1 token ids (the n-gram
+context), conv state 1 the last S conv inputs ``[B, C, S]``. So everything the cache does
+(``crop``, beam reordering, ``record_past`` rollback) works unchanged, and a cache filled by
+the unpatched model can be continued by the patched one and back. ``conv_mask`` (the
+model's 2-D padding mask, non-zero keeps) zeroes the gated values and conv inputs of
+padding positions, as the model does; the model has already replaced their ids by EOS.
+
+Backends: ``"auto"`` (Triton on a CUDA device, the reference elsewhere; re-decided at
+every call, so ``model.to("cuda")`` after patching picks the kernels), ``"reference"``
+or ``"triton"`` (on the CPU only under ``TRITON_INTERPRET=1``). On the Triton backend the
+n-gram hash and table gather, the projections (one GEMM), the gate and the conv run as
+``ple.fast`` kernels with their Triton backward. With a cache, the conv runs over the S
+cached columns plus the new ones and keeps the last L outputs (S = 9 extra rows a step).
+Logits, generated tokens and gradients are those of the unpatched model (the tests
+compare them on a small random model, both backends).
+
+Not covered: a model whose PLE table was replaced by a quantized transformers module
+(`patch` raises ``TypeError``), and accelerate hooks on the PLE module itself (a
+``device_map`` that places the PLE module as a unit): the hooks stay on the module that
+was swapped out.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import _checks
+from ..backends import resolve_backend
+from ..config import PLEConfig
+from ..layer import PLELayer
+
+__all__ = ["patch", "unpatch", "is_patched", "TransformersPLELayer", "MIN_TRANSFORMERS"]
+
+MIN_TRANSFORMERS = "5.23"
+
+
+def _modeling():
+    """transformers' ``modeling_qwen4_exp`` module, or ImportError saying how to get it."""
+    hint = f"ple.integrations.transformers needs transformers >= {MIN_TRANSFORMERS}: pip install 'ple[hf]'"
+    try:
+        import transformers
+        from packaging.version import Version
+    except ImportError as e:
+        raise ImportError(hint) from e
+    if Version(transformers.__version__) < Version(MIN_TRANSFORMERS):
+        raise ImportError(f"{hint} (found {transformers.__version__})")
+    from transformers.models.qwen4_exp import modeling_qwen4_exp
+
+    return modeling_qwen4_exp
+
+
+class TransformersPLELayer(PLELayer):
+    """A `PLELayer` with the calling convention of transformers' ``Qwen4ExpTextPLELayer``.
+
+    ``forward(hidden_states [B, L, C], input_ids [B, L], past_key_values=None, conv_mask=None)``
+    returns the layer's term ``gated + conv`` ``[B, L, C]`` in the hidden states' dtype, not
+    ``hidden_states + ...``; see the module docstring for the cache protocol. Built by
+    `patch` around the model's own tensors (`from_module`); ``layer_idx`` is the decoder
+    layer's index, the cache's layer. ``PLELayer.forward(layer, h, ids)`` still gives the
+    whole-sequence layer, and ``layer.step`` serves from a ``ple.state.PLECache``.
+    """
+
+    def __init__(self, config: PLEConfig, ple_layer_index: int, layer_idx: int, *, backend: str = "auto",
+                 device=None, dtype=None):
+        super().__init__(config, ple_layer_index, backend=backend, device=device, dtype=dtype)
+        self.layer_idx = _checks.int_arg("layer_idx", layer_idx, minimum=0)
+
+    @classmethod
+    def from_module(cls, module: nn.Module, config: PLEConfig, *, backend: str = "auto") -> TransformersPLELayer:
+        """Wrap a transformers ``Qwen4ExpTextPLELayer``: the new layer holds ``module``'s own parameter and
+        buffer objects (nothing is copied or allocated), under the same names."""
+        emb = getattr(module, "ple_embedding", None)
+        table = getattr(emb, "ngram_embedding", None)
+        if type(table) is not nn.Embedding or not table.weight.is_floating_point():
+            raise TypeError(f"module: expected the model's float nn.Embedding table, got "
+                            f"{type(table).__name__} (a quantized or replaced table cannot be patched)")
+        layer = cls(config, emb.ple_layer_index, module.layer_idx, backend=backend, device="meta",
+                    dtype=module.key_proj.weight.dtype)
+        mine = dict(layer.named_parameters()) | dict(layer.named_buffers())
+        theirs = dict(module.named_parameters()) | dict(module.named_buffers())
+        if mine.keys() != theirs.keys():
+            raise ValueError(f"module: its tensors {sorted(theirs)} are not the PLE layer's {sorted(mine)} "
+                             f"(a transformers version with another layout?)")
+        for name, t in theirs.items():
+            if tuple(t.shape) != tuple(mine[name].shape):
+                raise ValueError(f"module: {name} has shape {tuple(t.shape)}, the config wants "
+                                 f"{tuple(mine[name].shape)}")
+        _share(layer, theirs)
+        layer.train(module.training)
+        return layer
+
+    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, past_key_values=None,
+                conv_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The model's module's forward: ``gated + conv`` for ``[B, L, C]`` hidden states and ``[B, L]`` ids.
+
+        ``past_key_values`` is the model's cache (or None: whole sequences, as in training);
+        ``conv_mask`` its ``[B, L]`` padding mask (bool, integer or float; non-zero keeps).
+        """
+        cfg = self.config
+        self._check_hidden(hidden_states, 3)
+        B, L, C = hidden_states.shape
+        dev = hidden_states.device
+        _checks.tensor("input_ids", input_ids, kind="int", device=dev, shape=(B, L))
+        keep = None
+        if conv_mask is not None:
+            _checks.tensor("conv_mask", conv_mask, device=dev, shape=(B, L))
+            if conv_mask.dtype.is_complex:
+                raise TypeError(f"conv_mask: expected a bool, integer or float tensor, got {conv_mask.dtype}")
+            keep = (conv_mask != 0).reshape(B * L, 1)
+        context = self._ngram_context(input_ids, past_key_values)
+        query_start_loc = torch.arange(B + 1, device=dev, dtype=torch.int64) * L
+        check_values = self.backend == "triton" or not torch.compiler.is_compiling()
+        emb = self.hashed_rows(input_ids.reshape(B * L), hidden_states.dtype, query_start_loc=query_start_loc,
+                               ngram_context=context, validate=check_values)
+        key, value = self.project(emb)
+        gated, conv_input = self.ops.ple_gate(key, value, hidden_states.reshape(B * L, C), self.norm_key.weight,
+                                              self.norm_query.weight, self.norm_conv.weight, cfg.rms_norm_eps)
+        if keep is not None:
+            m = keep.to(gated.dtype)
+            gated, conv_input = gated * m, conv_input * m
+        y = self._conv(conv_input.reshape(B, L, C), past_key_values)
+        return gated.reshape(B, L, C) + y
+
+    def _ngram_context(self, input_ids: torch.Tensor, cache) -> torch.Tensor | None:
+        """``[B, N-1]`` tokens before ``input_ids`` from the cache's conv state 2 (None: sequence starts), and
+        the cache updated with ``input_ids`` as the model's module updates it."""
+        if cache is None:
+            return None
+        n = self.config.context_len
+        cached = cache.get_conv_state(self.layer_idx, state_idx=2)
+        context = None if cached is None else cached[:, -n:].clone()      # read before the update below
+        ids = input_ids.long()
+        if cached is None and ids.shape[1] < n:                            # the model pads with EOS, not 0
+            ids = F.pad(ids, (n - ids.shape[1], 0), value=self.config.eos_token_id)
+        cache.update_conv_state(ids, self.layer_idx, state_idx=2, conv_kernel_size=n)
+        return context
+
+    def _conv(self, x: torch.Tensor, cache) -> torch.Tensor:
+        """``silu(conv)`` of ``[B, L, C]`` conv inputs, continuing the cache's conv state 1 (and updating it)."""
+        cfg = self.config
+        w, d = self.conv_weights, cfg.conv_dilation
+        if cache is None:
+            return self.ops.dilated_causal_conv(x, w, dilation=d)
+        S, L = cfg.conv_state_len, x.shape[1]
+        full = cache.update_conv_state(x.transpose(1, 2), self.layer_idx, state_idx=1, conv_kernel_size=S)
+        window = F.pad(full, (S, 0))[..., -(S + L):]                       # S columns of history, then x
+        y = self.ops.dilated_causal_conv(window.transpose(1, 2).contiguous(), w, dilation=d)
+        return y[:, S:]
+
+    def extra_repr(self) -> str:
+        return f"layer_idx={self.layer_idx}, " + super().extra_repr()
+
+
+def _share(layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Make ``layer``'s parameters and buffers the given objects (by dotted name)."""
+    for name, t in tensors.items():
+        owner, _, attr = name.rpartition(".")
+        sub = layer.get_submodule(owner)
+        if attr in sub._parameters:
+            sub._parameters[attr] = t
+        else:
+            sub._buffers[attr] = t
+
+
+def _ple_config(model: nn.Module) -> PLEConfig:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "get_text_config"):
+        raise TypeError(f"model: expected a transformers model (with .config), got {type(model).__name__}")
+    return PLEConfig.from_dict(config.get_text_config(decoder=True).to_dict())
+
+
+def _ple_modules(model: nn.Module, kinds) -> list[tuple[nn.Module, str, nn.Module]]:
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, kinds):
+            parent_name, _, attr = name.rpartition(".")
+            out.append((model.get_submodule(parent_name), attr, module))
+    return out
+
+
+def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
+    """Swap every PLE module of a transformers ``Qwen4Exp*`` model for a `TransformersPLELayer`; returns ``model``.
+
+    In place, and idempotent: patching a patched model only sets ``backend`` on its layers.
+    ``backend`` is ``"auto"``, ``"reference"`` or ``"triton"`` (see the module docstring).
+    ``ValueError`` if the model has no PLE module (its config has no ``ple_layer_ids``);
+    ``TypeError`` if ``model`` is not a transformers model. See `unpatch`.
+    """
+    hf = _modeling()
+    if not isinstance(model, nn.Module) or not hasattr(getattr(model, "config", None), "get_text_config"):
+        raise TypeError(f"model: expected a transformers model, got {type(model).__name__}")
+    resolve_backend(backend)                                   # a bad name fails before anything changes
+    found = _ple_modules(model, (hf.Qwen4ExpTextPLELayer, TransformersPLELayer))
+    if not found:
+        raise ValueError(f"model: {type(model).__name__} has no PLE module (Qwen4ExpTextPLELayer); its config's "
+                         f"ple_layer_ids is empty or missing")
+    config = _ple_config(model)
+    swaps = []
+    for parent, attr, module in found:
+        if isinstance(module, TransformersPLELayer):
+            continue
+        layer = TransformersPLELayer.from_module(module, config, backend=backend)
+        layer._original = (module,)                            # a tuple: not a submodule, not in state_dict
+        swaps.append((parent, attr, layer))
+    for _, _, module in found:                                  # every check passed: now change the model
+        if isinstance(module, TransformersPLELayer):
+            module.set_backend(backend)
+    for parent, attr, layer in swaps:
+        setattr(parent, attr, layer)
+    return model
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Put the model's own PLE modules back (holding the patched layers' current tensors); returns ``model``.
+
+    A model that is not patched is returned unchanged.
+    """
+    for parent, attr, layer in _ple_modules(model, TransformersPLELayer):
+        (original,) = layer._original
+        _share(original, dict(layer.named_parameters()) | dict(layer.named_buffers()))
+        original.train(layer.training)
+        setattr(parent, attr, original)
+    return model
+
+
+def is_patched(model: nn.Module) -> bool:
+    """Whether any PLE module of ``model`` is a `TransformersPLELayer`."""
+    return any(isinstance(m, TransformersPLELayer) for m in model.modules())
