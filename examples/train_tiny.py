@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     config = ple.PLEConfig(vocab_size=48, hidden_size=32, hc_count=2, ple_embed_dim=32, heads_per_ngram=2,
                            ngram_size=3, ple_conv_kernel_size=2, ngram_vocab_size_base=3001,
-                           make_ngram_vocab_size_divisible_by=16, eos_token_id=0)
+                           make_ngram_vocab_size_divisible_by=16, eos_token_id=0, ple_layer_ids=[1])
     window = max(1, args.steps // 10)
     results = {}
     for use_ple in (False, True):

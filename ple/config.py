@@ -64,8 +64,9 @@ class PLEConfig:
     """Seed of the multiplier hash."""
     rms_norm_eps: float = 1e-6
     """Epsilon of the three grouped RMS norms."""
-    ple_layer_ids: tuple[int, ...] = (1,)
-    """1-based decoder layers that carry a PLE layer."""
+    ple_layer_ids: tuple[int, ...] = ()
+    """1-based decoder layers that carry a PLE layer. Empty (the default, as in transformers when the key is
+    missing or null): the model has no PLE layer, and building a layer or a cache from the config is an error."""
     split_ngram_parts: int = 512
     """How many shards the checkpoint splits the table into."""
 
@@ -86,8 +87,8 @@ class PLEConfig:
             ids = (ids,)
         if not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids):
             raise ValueError(f"ple_layer_ids: expected a list of ints, got {self.ple_layer_ids!r}")
-        if len(ids) == 0 or any(i < 1 for i in ids):
-            raise ValueError(f"ple_layer_ids: expected a non-empty list of 1-based layer ids, got {list(ids)}")
+        if any(i < 1 for i in ids):
+            raise ValueError(f"ple_layer_ids: expected a list of 1-based layer ids, got {list(ids)}")
         set_(self, "ple_layer_ids", tuple(sorted(set(ids))))
 
         positive = (
@@ -113,7 +114,7 @@ class PLEConfig:
                 or not 0 < self.rms_norm_eps < float("inf"):
             raise ValueError(f"rms_norm_eps: expected a positive finite float, got {self.rms_norm_eps!r}")
         set_(self, "rms_norm_eps", float(self.rms_norm_eps))
-        if self.ple_embed_dim % self.num_ngram_heads != 0:
+        if self.ple_layer_ids and self.ple_embed_dim % self.num_ngram_heads != 0:   # as transformers: with PLE
             raise ValueError(
                 f"ple_embed_dim: must be divisible by the number of hash heads "
                 f"(ngram_size - 1) * heads_per_ngram = {self.num_ngram_heads}, got {self.ple_embed_dim}"
@@ -171,8 +172,8 @@ class PLEConfig:
         for required in ("vocab_size", "hidden_size", "hc_count", "eos_token_id"):
             if required not in kwargs:
                 raise ValueError(f"{required}: missing from the config")
-        if kwargs.get("ple_layer_ids") is None:
-            kwargs.pop("ple_layer_ids", None)
+        if kwargs.get("ple_layer_ids") is None:      # missing or null: no PLE layer, as in transformers
+            kwargs["ple_layer_ids"] = ()
         return cls(**kwargs)
 
     @classmethod

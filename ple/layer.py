@@ -148,6 +148,9 @@ class PLELayer(nn.Module):
         if not isinstance(config, PLEConfig):
             raise TypeError(f"config: expected a PLEConfig, got {type(config).__name__}")
         _checks.int_arg("ple_layer_index", ple_layer_index, minimum=0)
+        if config.num_ple_layers == 0:
+            raise ValueError("config: has no PLE layer (ple_layer_ids is empty; a config without ple_layer_ids "
+                             "means no PLE layer, as in transformers); pass ple_layer_ids=[...]")
         if ple_layer_index >= config.num_ple_layers:
             raise ValueError(f"ple_layer_index: the config has {config.num_ple_layers} PLE layer(s) "
                              f"(ple_layer_ids={list(config.ple_layer_ids)}), got index {ple_layer_index}")

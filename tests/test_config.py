@@ -20,6 +20,7 @@ BASE = dict(
     ple_conv_kernel_size=4,
     ngram_size=3,
     heads_per_ngram=3,
+    ple_layer_ids=(1,),
 )
 
 
@@ -61,7 +62,6 @@ INVALID = [
     ("rms_norm_eps", -1e-6),
     ("rms_norm_eps", float("nan")),
     ("rms_norm_eps", "1e-6"),
-    ("ple_layer_ids", []),
     ("ple_layer_ids", [0]),
     ("ple_layer_ids", [2, -1]),
     ("ple_layer_ids", ["a"]),
@@ -94,6 +94,7 @@ def test_defaults():
     assert c.seed == 1234
     assert c.rms_norm_eps == 1e-6
     assert c.split_ngram_parts == 512
+    assert c.ple_layer_ids == () and c.num_ple_layers == 0      # no PLE layer, as in transformers
 
 
 @given(
@@ -214,7 +215,23 @@ def test_from_dict_defaults_when_optional_keys_absent():
             "unrelated": {"x": 1},
         }
     )
-    assert c.ple_embed_dim == 32 and c.ple_layer_ids == (1,) and c.eos_token_id == 1
+    assert c.ple_embed_dim == 32 and c.ple_layer_ids == () and c.eos_token_id == 1
+
+
+def test_missing_ple_layer_ids_means_no_ple_layer_and_building_one_is_an_error():
+    """transformers reads a missing (or null) ``ple_layer_ids`` as no PLE layer; so does ple."""
+    from ple import PLELayer
+    from ple.state import PLECache
+
+    for data in ({"vocab_size": 10, "hidden_size": 8, "hc_count": 2, "eos_token_id": 1},
+                 {"vocab_size": 10, "hidden_size": 8, "hc_count": 2, "eos_token_id": 1, "ple_layer_ids": None},
+                 {"text_config": {"vocab_size": 10, "hidden_size": 8, "hc_count": 2, "eos_token_id": 1}}):
+        c = PLEConfig.from_dict(data)
+        assert c.num_ple_layers == 0
+        with pytest.raises(ValueError, match="^config: has no PLE layer"):
+            PLELayer(c, 0)
+        with pytest.raises(ValueError, match="^config: has no PLE layer"):
+            PLECache(c, num_slots=4)
 
 
 @pytest.mark.parametrize("missing", ["vocab_size", "hidden_size", "hc_count", "eos_token_id"])

@@ -19,6 +19,7 @@ from ple.reference import hash_params, ngram_ids, ple_gate
 TINY = PLEConfig.preset("tiny")
 # Small enough for gradcheck over every parameter, table included (12 rows of width 2).
 GRAD = PLEConfig(
+    ple_layer_ids=[1],
     vocab_size=20,
     hidden_size=3,
     hc_count=2,
@@ -255,7 +256,8 @@ def test_padding_does_not_change_real_tokens(lens, data, seed):
         mask[b, start : start + n] = 1
         ids[b, start : start + n] = real_ids[b]
         spans.append((start, start + n))
-    mask_dtype = data.draw(st.sampled_from([torch.bool, torch.int32, torch.int64]), label="mask dtype")
+    mask_dtype = data.draw(st.sampled_from([torch.bool, torch.int32, torch.int64, torch.float32, torch.bfloat16]),
+                           label="mask dtype")                   # non-zero keeps, as in transformers
     note(dict(lens=lens, sides=sides, L=L, mask=mask.tolist()))
     out = layer(hidden, ids, attention_mask=mask.to(mask_dtype))
     for b, (a, e) in enumerate(spans):

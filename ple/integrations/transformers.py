@@ -60,7 +60,7 @@ from ..backends import resolve_backend
 from ..config import PLEConfig
 from ..layer import PLELayer
 
-__all__ = ["patch", "unpatch", "is_patched", "TransformersPLELayer", "MIN_TRANSFORMERS"]
+__all__ = ["patch", "unpatch", "is_patched", "TransformersPLELayer", "tiny_config", "MIN_TRANSFORMERS"]
 
 MIN_TRANSFORMERS = "5.23"
 
@@ -180,6 +180,29 @@ class TransformersPLELayer(PLELayer):
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}, " + super().extra_repr()
+
+
+def tiny_config(**changes):
+    """A small ``Qwen4ExpTextConfig`` for trying `patch` without a checkpoint (``Qwen4ExpForCausalLM(tiny_config())``).
+
+    Four decoder layers (three GatedDeltaNet, one indexed attention), hidden size 32, two
+    hyper-connection streams, PLE on decoder layers 1 and 3 with small tables (424 and 512
+    rows of 4), vocabulary 64, EOS 2, padding 0. Keyword arguments change any field. The
+    model it builds starts its PLE norms and conv at zero, as the real model does.
+    """
+    _modeling()
+    from transformers import Qwen4ExpTextConfig
+
+    fields = dict(
+        vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=2, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2, hc_count=2, hc_lowrank=8, ple_layer_ids=[1, 3], ple_embed_dim=16,
+        heads_per_ngram=2, ngram_vocab_size_base=101, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=3,
+        eos_token_id=2, pad_token_id=0, max_position_embeddings=128, indexer_n_heads=2, indexer_kv_heads=1,
+        indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4)
+    fields.update(changes)
+    return Qwen4ExpTextConfig(**fields)
 
 
 def _share(layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None:

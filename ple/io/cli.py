@@ -35,7 +35,7 @@ def _convert(args) -> int:
     try:
         out = convert(args.src, args.dst, config=args.config, parts=args.parts, table_dtype=args.table_dtype,
                       merged_kv=merged, max_file_bytes=max_file, block_bytes=_size(args.block_size),
-                      overwrite=args.overwrite)
+                      overwrite=args.overwrite, ple_only=args.ple_only)
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -62,8 +62,10 @@ def register(sub) -> None:
 
     c = sub.add_parser("convert", help="re-shard a checkpoint's PLE tables or change their dtype (fp8, int8)",
                        description="Rewrite a checkpoint with its PLE tables re-sharded and/or in another "
-                                   "dtype; every other tensor is copied. Streams blocks, never a whole "
-                                   "table.")
+                                   "dtype; every other tensor is copied, and every non-weight file of a "
+                                   "model folder (configs, tokenizer). Streams blocks, never a whole "
+                                   "table. An fp8 / int8 table or a merged kv_proj, which transformers "
+                                   "would load wrong, needs --ple-only.")
     c.add_argument("src", help="source .safetensors file or checkpoint directory")
     c.add_argument("dst", help="destination: a .safetensors file, or a directory")
     c.add_argument("--config", default=None,
@@ -78,5 +80,8 @@ def register(sub) -> None:
                                                           "e.g. 5GB (directory output only)")
     c.add_argument("--block-size", default="256MiB",
                    help="largest block read at once (default: 256MiB)")
+    c.add_argument("--ple-only", action="store_true",
+                   help="allow an output transformers would load wrong (fp8 / int8 table, merged kv_proj); "
+                        "config.json and inspect then mark it as for ple only")
     c.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at dst")
     c.set_defaults(func=_convert)

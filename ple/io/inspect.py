@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 from ..config import PLEConfig
@@ -9,6 +10,7 @@ from ..reference.hashing import hash_params
 from .files import Checkpoint, dtype_name, human_bytes
 from .layout import BUFFERS, find_layers, plan_layer
 from .load import identify_index, resolve_config
+from .save import PLE_ONLY_KEY, PLE_ONLY_METADATA_KEY, transformers_problems
 
 __all__ = ["inspect", "format_inspect"]
 
@@ -45,17 +47,22 @@ def _tensor_rows(ckpt: Checkpoint, keys: list[str], prefix: str) -> list[dict]:
             ks = sorted(r.pop("_ks"))
             r["key"] = f"{a}{{{ks[0]}..{ks[-1]}}}{b}"
         shapes = r["shapes"]
-        shape = str(shapes[0]) if all(s == shapes[0] for s in shapes) else \
-            f"{shapes[0]} .. {shapes[-1]}"
-        out.append(dict(key=r["key"], count=r["count"], shape=shape, dtype="/".join(sorted(r["dtypes"])),
-                        bytes=r["bytes"]))
+        shape = shapes[0] if all(s == shapes[0] for s in shapes) else None
+        out.append(dict(key=r["key"], count=r["count"], shape=shape, shapes=shapes,
+                        dtype="/".join(sorted(r["dtypes"])), bytes=r["bytes"]))
     return out
 
 
 def inspect(path, config=None) -> dict:
     """A JSON-able description of the checkpoint at ``path``: files, PLE layers and their tensors (shapes,
     dtypes, bytes), whether the hash buffers match the config, unknown keys, and any problem `load_layer`
-    would raise. Reads headers and the int64 hash buffers only, never a table."""
+    would raise. Reads headers and the int64 hash buffers only, never a table.
+
+    Each tensor row has ``shape`` (a list; None when shards differ) and ``shapes`` (one list per
+    shard). ``ple_only`` lists why transformers would load these PLE layers wrong (a quantized
+    table, a merged ``kv_proj``; empty: it loads them right), and ``ple_only_marked`` whether
+    the checkpoint says so itself (``ple_only=True`` of `save` / `convert`).
+    """
     ckpt = Checkpoint.open(path)
     config_error = None
     try:
@@ -69,6 +76,7 @@ def inspect(path, config=None) -> dict:
                   total_bytes=ckpt.total_bytes, config=None if cfg is None else cfg.to_dict(),
                   config_error=config_error, layers=[])
     claimed = set()
+    problems: list[str] = []
     for pos, prefix in enumerate(layers):
         keys = [k for k in ckpt.keys() if k.startswith(prefix)]
         claimed.update(keys)
@@ -99,10 +107,31 @@ def inspect(path, config=None) -> dict:
                     kind = "float" if plan.scheme is None else plan.scheme.name
                     entry["table"] = dict(rows=plan.num_rows, dim=plan.dim, scheme=kind, parts=plan.parts,
                                           dtype=dtype_name(plan.table_dtype), merged_kv=plan.merged_kv)
+                    problems += [p for p in transformers_problems(plan.scheme, plan.merged_kv) if p not in problems]
         report["layers"].append(entry)
+    report["ple_only"] = problems
+    report["ple_only_marked"] = _marked_ple_only(ckpt)
     others = [k for k in ckpt.keys() if k not in claimed]
     report["other"] = dict(count=len(others), bytes=sum(ckpt.info(k).nbytes for k in others))
     return report
+
+
+def _marked_ple_only(ckpt: Checkpoint) -> bool:
+    if PLE_ONLY_METADATA_KEY in ckpt.metadata:
+        return True
+    config = ckpt.root / "config.json"
+    if config.is_file():
+        try:
+            with open(config, encoding="utf-8") as fh:
+                return bool(json.load(fh).get(PLE_ONLY_KEY))
+        except (ValueError, AttributeError):
+            return False
+    return False
+
+
+def _shape_text(row: dict) -> str:
+    shapes = row["shapes"]
+    return str(shapes[0]) if row["shape"] is not None else f"{shapes[0]} .. {shapes[-1]}"
 
 
 def format_inspect(report: dict) -> str:
@@ -136,7 +165,7 @@ def format_inspect(report: dict) -> str:
         for r in layer["tensors"]:
             count = f"  ({r['count']} shards)" if r["count"] > 1 else ""
             size = human_bytes(r["bytes"])
-            lines.append(f"  {r['key']:<{width}}  {r['shape']:<22} {r['dtype']:<14} {size:>12}{count}")
+            lines.append(f"  {r['key']:<{width}}  {_shape_text(r):<22} {r['dtype']:<14} {size:>12}{count}")
         for b in layer["buffers"]:
             if b["status"] == "match":
                 lines.append(f"  {b['key']}: matches the config")
@@ -148,6 +177,14 @@ def format_inspect(report: dict) -> str:
             lines.append(f"  unknown keys (skipped on load): {layer['unknown']}")
         if layer["error"]:
             lines.append(f"  ERROR (load would fail): {layer['error']}")
+    if report["ple_only"]:
+        lines.append("")
+        mark = "marked so in the checkpoint" if report["ple_only_marked"] else "NOT marked in the checkpoint"
+        lines.append(f"for ple only ({mark}): transformers would load it wrong:")
+        lines += [f"  - {p}" for p in report["ple_only"]]
+    elif report["layers"]:
+        lines.append("")
+        lines.append("transformers: loads these PLE layers as they are (float table, key_proj + value_proj)")
     other = report["other"]
     if other["count"]:
         lines.append("")

@@ -37,7 +37,8 @@ from .layout import (
 )
 from .load import BLOCK_BYTES, CONFIG_METADATA_KEY, identify_index, resolve_config, table_blocks
 
-__all__ = ["save", "convert", "parse_table_dtype", "TABLE_DTYPES"]
+__all__ = ["save", "convert", "parse_table_dtype", "TABLE_DTYPES", "transformers_problems", "PLE_ONLY_KEY",
+           "PLE_ONLY_METADATA_KEY", "WEIGHT_SUFFIXES"]
 
 TABLE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
                 "fp8": SCHEMES["fp8"], "int8": SCHEMES["int8"]}
@@ -57,6 +58,47 @@ def parse_table_dtype(value):
         return TABLE_DTYPES[value]
     raise ValueError(f"table_dtype: expected one of {sorted(TABLE_DTYPES)} (or None to keep it), got "
                      f"{value!r}")
+
+
+# ---- what transformers would load wrong ------------------------------------------------------------
+PLE_ONLY_KEY = "ple_only"
+"""Key of ``config.json`` (and ``ple.only`` of the file metadata): why transformers cannot load the checkpoint."""
+PLE_ONLY_METADATA_KEY = "ple.only"
+WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
+"""Files `convert` does not copy from the source folder (weights; every other file is copied)."""
+
+
+def transformers_problems(table_scheme: Scheme | None, merged_kv: bool) -> list[str]:
+    """Why transformers (5.23) would load a PLE layer of this kind wrong (empty: it loads it right).
+
+    Its model has a float ``nn.Embedding`` table and separate ``key_proj`` / ``value_proj``.
+    No ``quantization_config`` transformers honours covers an embedding table with these
+    scales (its FP8 / int8 methods quantize ``nn.Linear`` weights), so it would ignore
+    ``weight_scale`` and use the raw FP8 / int8 values; and it would leave both projections
+    randomly initialised beside an unknown ``kv_proj``.
+    """
+    out = []
+    if table_scheme is not None:
+        out.append(f"{table_scheme.name} table: transformers would ignore its weight_scale and use the raw "
+                   f"{table_scheme.name} values")
+    if merged_kv:
+        out.append("merged kv_proj: transformers would leave key_proj and value_proj randomly initialised")
+    return out
+
+
+def _refuse_unless_ple_only(problems: list[str], ple_only: bool, arg: str) -> None:
+    if problems and not ple_only:
+        raise ValueError(f"{arg}: transformers would load this checkpoint wrong ({'; '.join(problems)}); pass "
+                         f"ple_only=True (--ple-only) to write it for ple only (config.json and `inspect` then "
+                         f"say so), or keep a float table and separate projections")
+
+
+def _mark_config(config: dict, problems: list[str]) -> dict:
+    """``config`` (a config.json dict) with the ple-only mark set to ``problems`` (removed when none)."""
+    config = {k: v for k, v in config.items() if k != PLE_ONLY_KEY}
+    if problems:
+        config[PLE_ONLY_KEY] = problems
+    return config
 
 
 # ---- table sources: the rows of a table, block by block ---------------------------------------------
@@ -205,7 +247,8 @@ def _prepare_dst(path, overwrite: bool) -> tuple[Path, bool]:
     return path, single
 
 
-def _write(path: Path, single: bool, entries, *, metadata, max_file_bytes, config: PLEConfig | None):
+def _write(path: Path, single: bool, entries, *, metadata, max_file_bytes, config: PLEConfig | None,
+           problems: list[str]):
     if single:
         if max_file_bytes is not None:
             raise ValueError("max_file_bytes: only for a directory checkpoint, not one .safetensors path")
@@ -215,13 +258,13 @@ def _write(path: Path, single: bool, entries, *, metadata, max_file_bytes, confi
     files = write_files(path, entries, max_file_bytes=max_file_bytes, metadata=metadata)
     if config is not None and not (path / "config.json").exists():
         with open(path / "config.json", "w", encoding="utf-8") as fh:
-            json.dump(config.to_dict(), fh, indent=2)
+            json.dump(_mark_config(config.to_dict(), problems), fh, indent=2)
     return files
 
 
 def save(layers, path, *, prefix: str | None = None, parts: int | None = None, merged_kv: bool = False,
          table_dtype=None, max_file_bytes: int | None = None, block_bytes: int = BLOCK_BYTES,
-         overwrite: bool = False) -> list[Path]:
+         overwrite: bool = False, ple_only: bool = False) -> list[Path]:
     """Save one PLE layer or several (one config) in the model's layout; returns the files written.
 
     ``path``: a ``.safetensors`` file, or a directory that gets ``model.safetensors``, or
@@ -237,6 +280,11 @@ def save(layers, path, *, prefix: str | None = None, parts: int | None = None, m
     ``kv_proj.weight`` (``[C + H, E]``, key rows first) instead of ``key_proj`` and
     ``value_proj``. ``table_dtype``: keep (None), ``"bfloat16"`` / ``"float16"`` /
     ``"float32"``, or quantize: ``"fp8"`` / ``"int8"`` (``ple.quant``).
+
+    transformers loads a float table with separate projections right, and would load a
+    quantized table or a merged ``kv_proj`` wrong (`transformers_problems`): those are a
+    ``ValueError`` unless ``ple_only=True``, which writes them with ``"ple_only"`` (the
+    reasons) in ``config.json`` and ``ple.only`` in each file's metadata, as `inspect` reports.
     """
     layers = list(layers) if isinstance(layers, (list, tuple)) else [layers]
     if not layers:
@@ -247,6 +295,10 @@ def save(layers, path, *, prefix: str | None = None, parts: int | None = None, m
     parts = cfg.split_ngram_parts if parts is None else _checks.int_arg("parts", parts, minimum=0)
     _checks.int_arg("block_bytes", block_bytes, minimum=1)
     table_dtype = parse_table_dtype(table_dtype)
+    schemes = {table_dtype if table_dtype is not None else scheme_of(la.table.weight.dtype) for la in layers}
+    scheme = next((s for s in schemes if isinstance(s, Scheme)), None)
+    problems = transformers_problems(scheme, merged_kv)
+    _refuse_unless_ple_only(problems, ple_only, "table_dtype" if scheme is not None else "merged_kv")
     template = MODEL_PREFIX if prefix is None else prefix
     prefixes = [template.format(i=cfg.ple_layer_ids[layer.ple_layer_index] - 1, index=layer.ple_layer_index)
                 for layer in layers]
@@ -260,7 +312,10 @@ def save(layers, path, *, prefix: str | None = None, parts: int | None = None, m
             entries += _layer_entries(layer, pfx, parts=parts, merged_kv=merged_kv, table_dtype=table_dtype,
                                       block_bytes=block_bytes)
     meta = {"format": "pt", CONFIG_METADATA_KEY: json.dumps(cfg.to_dict())}
-    return _write(path, single, entries, metadata=meta, max_file_bytes=max_file_bytes, config=cfg)
+    if problems:
+        meta[PLE_ONLY_METADATA_KEY] = json.dumps(problems)
+    return _write(path, single, entries, metadata=meta, max_file_bytes=max_file_bytes, config=cfg,
+                  problems=problems)
 
 
 def _copy_entry(ckpt: Checkpoint, key: str, block_bytes: int, new_key: str | None = None) -> Entry:
@@ -279,14 +334,21 @@ def _copy_entry(ckpt: Checkpoint, key: str, block_bytes: int, new_key: str | Non
 
 def convert(src, dst, *, config=None, parts: int | None = None, table_dtype=None,
             merged_kv: bool | None = None, max_file_bytes: int | None = None, block_bytes: int = BLOCK_BYTES,
-            overwrite: bool = False) -> dict:
+            overwrite: bool = False, ple_only: bool = False) -> dict:
     """Rewrite the checkpoint ``src`` as ``dst``: re-shard the PLE tables and/or change their dtype.
 
     Every PLE layer found is validated (as by `load_layer`) and rewritten with ``parts``
     shards (default: as it is; 0 = whole), table dtype ``table_dtype`` (default: as it
     is; see `save`) and, with ``merged_kv`` True / False, a merged ``kv_proj`` or
     separate projections. Every other tensor, including unknown keys, is copied as it
-    is; a ``config.json`` beside ``src`` is copied beside ``dst``. Returns a summary.
+    is. For a directory ``dst``, every non-weight file of a ``src`` folder is copied
+    (``config.json``, ``generation_config.json``, tokenizer files, ...; not ``WEIGHT_SUFFIXES``).
+    Returns a summary.
+
+    An output transformers would load wrong (an FP8 / int8 table, or a merged ``kv_proj``;
+    see `transformers_problems`) is a ``ValueError`` unless ``ple_only=True``; then
+    ``config.json`` gets ``"ple_only"`` (the reasons) and each file ``ple.only`` in its
+    metadata. Converting back to a float table with separate projections removes the mark.
     """
     ckpt = Checkpoint.open(src)
     cfg = resolve_config(ckpt, config)
@@ -308,6 +370,13 @@ def convert(src, dst, *, config=None, parts: int | None = None, table_dtype=None
                                  f"{cfg.num_ple_layers} in the config)")
             index = pos
         plans.append(plan_layer(ckpt, cfg, index, pfx))
+    problems = []
+    for plan in plans:
+        scheme = target if isinstance(target, Scheme) else plan.scheme if target is None else None
+        merged = plan.merged_kv if merged_kv is None else merged_kv
+        problems += [p for p in transformers_problems(scheme, merged) if p not in problems]
+    _refuse_unless_ple_only(problems, ple_only, "table_dtype" if any("table" in p for p in problems)
+                            else "merged_kv")
     dst_path = Path(dst)
     if any(f.resolve() in ((dst_path / f.name).resolve(), dst_path.resolve()) for f in ckpt.files):
         raise ValueError(f"dst: {dst} would overwrite the source checkpoint; write somewhere else")
@@ -344,15 +413,39 @@ def convert(src, dst, *, config=None, parts: int | None = None, table_dtype=None
     meta = dict(ckpt.metadata)
     meta.setdefault("format", "pt")
     meta[CONFIG_METADATA_KEY] = json.dumps(cfg.to_dict())
-    files = _write(path, single, entries, metadata=meta, max_file_bytes=max_file_bytes, config=None)
-    src_config = ckpt.root / "config.json"
-    if not single and src_config.exists() and not (path / "config.json").exists():
-        shutil.copyfile(src_config, path / "config.json")
+    meta.pop(PLE_ONLY_METADATA_KEY, None)
+    if problems:
+        meta[PLE_ONLY_METADATA_KEY] = json.dumps(problems)
+    files = _write(path, single, entries, metadata=meta, max_file_bytes=max_file_bytes, config=None,
+                   problems=problems)
+    if not single:
+        folder = not isinstance(src, (list, tuple)) and (Path(src).is_dir() or str(src).endswith(".index.json"))
+        _copy_other_files(ckpt.root, path, problems, names=None if folder else ["config.json"])
     tables = []
     for plan in plans:
         n = parts if parts is not None else plan.parts
         tables.append(f"{f'{n} shards' if n else 'whole'}, {dtype_name(_out_dtype(plan, target))}")
     return {"files": [str(f) for f in files], "layers": [p.prefix for p in plans], "tables": tables}
+
+
+def _copy_other_files(src: Path, dst: Path, problems: list[str], names: list[str] | None = None) -> None:
+    """Copy the non-weight files and folders of the folder ``src`` (or only those ``names``) into ``dst``
+    (``config.json`` with the ple-only mark set to ``problems``)."""
+    if src.resolve() == dst.resolve():
+        return
+    for item in sorted(src.iterdir()):
+        if item.name.endswith(WEIGHT_SUFFIXES) or (names is not None and item.name not in names):
+            continue
+        target = dst / item.name
+        if item.name == "config.json" and item.is_file():
+            with open(item, encoding="utf-8") as fh:
+                config = json.load(fh)
+            with open(target, "w", encoding="utf-8") as fh:
+                json.dump(_mark_config(config, problems), fh, indent=2)
+        elif item.is_dir():
+            shutil.copytree(item, target, dirs_exist_ok=True)
+        else:
+            shutil.copyfile(item, target)
 
 
 def _out_dtype(plan: LayerPlan, target) -> torch.dtype:

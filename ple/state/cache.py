@@ -72,6 +72,8 @@ class PLECache:
             raise TypeError(f"config: expected a PLEConfig, got {type(config).__name__}")
         _checks.int_arg("num_slots", num_slots, minimum=2)
         _checks.int_arg("num_spec_tokens", num_spec_tokens, minimum=0)
+        if config.num_ple_layers == 0:
+            raise ValueError("config: has no PLE layer (ple_layer_ids is empty), so there is nothing to cache")
         num_layers = config.num_ple_layers if num_layers is None else num_layers
         _checks.int_arg("num_layers", num_layers, minimum=1)
         if num_layers > config.num_ple_layers:

@@ -426,7 +426,7 @@ def write_checkpoint(path, layer, parts, *, quantized=False):
     from ple import io as pio
 
     pio.save(layer, path, prefix=CKPT_PREFIX, parts=parts, table_dtype="int8" if quantized else None,
-             max_file_bytes=40_000)
+             max_file_bytes=40_000, ple_only=quantized)
 
 
 @pytest.fixture(scope="module")

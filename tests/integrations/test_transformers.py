@@ -22,24 +22,25 @@ from transformers import (  # noqa: E402
 )
 from transformers.models.qwen4_exp.modeling_qwen4_exp import Qwen4ExpTextPLELayer  # noqa: E402
 
-from ple.integrations.transformers import TransformersPLELayer, is_patched, patch, unpatch  # noqa: E402
+from ple.integrations.transformers import (  # noqa: E402
+    TransformersPLELayer,
+    is_patched,
+    patch,
+    tiny_config,
+    unpatch,
+)
+from ple.quant import dequantize  # noqa: E402
 
 BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.interpreter)]
 EOS = 2
 
 
 def text_config(**changes) -> Qwen4ExpTextConfig:
-    """Four decoder layers (three GatedDeltaNet, one indexed attention); PLE on decoder layers 1 and 3."""
-    fields = dict(
-        vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
-        head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
-        linear_num_value_heads=2, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
-        num_experts_per_tok=2, hc_count=2, hc_lowrank=8, ple_layer_ids=[1, 3], ple_embed_dim=16,
-        heads_per_ngram=2, ngram_vocab_size_base=101, make_ngram_vocab_size_divisible_by=8, split_ngram_parts=3,
-        eos_token_id=EOS, pad_token_id=0, max_position_embeddings=128, indexer_n_heads=2, indexer_kv_heads=1,
-        indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4)
-    fields.update(changes)
-    return Qwen4ExpTextConfig(**fields)
+    """`tiny_config`: four decoder layers (three GatedDeltaNet, one indexed attention); PLE on decoder layers 1
+    and 3; EOS 2."""
+    config = tiny_config(**changes)
+    assert config.eos_token_id == EOS
+    return config
 
 
 def randomise_ple(model) -> None:
@@ -239,3 +240,69 @@ def test_patch_refuses_what_it_cannot_patch_and_changes_nothing():
         model.model.layers[0].ple(torch.zeros(1, 3, 64), torch.zeros(1, 3, dtype=torch.long), None,
                                   conv_mask=torch.ones(1, 3, dtype=torch.complex64))
     assert type(layer) is Qwen4ExpTextPLELayer
+
+
+# ---- checkpoints: what `convert` writes, transformers loads right, or it is refused / marked ----------
+def _logits(model, ids, mask):
+    with torch.no_grad():
+        return model(ids, attention_mask=mask).logits
+
+
+def _table_as(model, dtype):
+    """A copy of ``model`` with its PLE tables rounded to ``dtype`` and back (what a cast table holds)."""
+    import copy
+
+    out = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in out.named_parameters():
+            if name.endswith("ngram_embedding.weight"):
+                p.copy_(p.to(dtype).to(p.dtype))
+    return out
+
+
+def test_converted_checkpoints_load_right_in_transformers_or_are_refused_or_marked(tmp_path):
+    from ple import io as pio
+    from ple.__main__ import main
+
+    model = tiny_model(torch.float32)
+    src = tmp_path / "model"
+    model.save_pretrained(src)                                         # tables as split_ngram_parts shards
+    (src / "tokenizer.json").write_text('{"version": "1.0"}')
+    (src / "chat_template.jinja").write_text("{{ messages }}")
+    ids, mask = batch()
+    want = _logits(model, ids, mask)
+
+    for k, (opts, expected) in enumerate([(["--parts", "0"], model), (["--parts", "5"], model),
+                                          (["--table-dtype", "bfloat16"], _table_as(model, torch.bfloat16))]):
+        dst = tmp_path / f"ok{k}"
+        assert main(["convert", str(src), str(dst), *opts]) == 0
+        for name in ("generation_config.json", "tokenizer.json", "chat_template.jinja"):   # every non-weight file
+            assert (dst / name).read_bytes() == (src / name).read_bytes(), name
+        assert pio.inspect(dst)["ple_only"] == [] and "ple_only" not in (dst / "config.json").read_text()
+        loaded = Qwen4ExpForCausalLM.from_pretrained(dst).eval()
+        assert torch.equal(_logits(loaded, ids, mask), _logits(expected, ids, mask)), opts
+
+    for k, opts in enumerate([["--table-dtype", "fp8"], ["--table-dtype", "int8"], ["--kv", "merged"]]):
+        dst = tmp_path / f"ple{k}"
+        assert main(["convert", str(src), str(dst), *opts]) == 2 and not dst.exists()     # refused
+        assert main(["convert", str(src), str(dst), *opts, "--ple-only"]) == 0
+        report = pio.inspect(dst)
+        assert report["ple_only"] and report["ple_only_marked"], opts
+        assert "for ple only (marked so" in pio.format_inspect(report)
+        assert "ple_only" in (dst / "config.json").read_text()
+        layer = pio.load_layer(dst, ple_layer_index=1)                 # ple reads it
+        if opts[0] == "--kv":
+            assert torch.equal(layer.key_proj.weight, model.model.layers[2].ple.key_proj.weight)
+        # Converted back to a float table with separate projections, it is unmarked and transformers
+        # holds exactly what ple dequantizes.
+        back = tmp_path / f"back{k}"
+        assert main(["convert", str(dst), str(back), "--table-dtype", "float32", "--kv", "separate"]) == 0
+        assert pio.inspect(back)["ple_only"] == [] and not pio.inspect(back)["ple_only_marked"]
+        hf = Qwen4ExpForCausalLM.from_pretrained(back).eval()
+        mine = pio.load_layer(dst, ple_layer_index=1, dtype=torch.float32)
+        theirs = hf.model.layers[2].ple
+        table = mine.table.weight if mine.table.scale is None else \
+            dequantize(mine.table.weight, mine.table.scale, torch.float32)
+        assert torch.equal(theirs.ple_embedding.ngram_embedding.weight, table)
+        assert torch.equal(theirs.value_proj.weight, mine.value_proj.weight)
+    assert torch.equal(_logits(Qwen4ExpForCausalLM.from_pretrained(tmp_path / "back2").eval(), ids, mask), want)

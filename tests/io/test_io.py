@@ -71,7 +71,7 @@ def test_shard_rows_cover_the_table(rows, parts):
 @pytest.mark.parametrize("parts, merged_kv", [(None, False), (0, False), (1, True), (7, False), (4, True)])
 def test_save_load_round_trip(tmp_path, parts, merged_kv):
     layer = random_layer(seed=1)
-    pio.save(layer, tmp_path / "ck", parts=parts, merged_kv=merged_kv)
+    pio.save(layer, tmp_path / "ck", parts=parts, merged_kv=merged_kv, ple_only=merged_kv)
     keys = set(Checkpoint.open(tmp_path / "ck").keys())
     n = TINY.split_ngram_parts if parts is None else parts
     shard_keys = {f"{PFX0}ple_embedding.ngram_embedding.shard_{k}.weight" for k in range(n)}
@@ -96,7 +96,7 @@ def test_round_trip_any_sharding_and_block_size(tmp_path_factory, parts, block_r
     if scheme:
         layer.ple_embedding.quantize_(scheme)
     path = tmp_path_factory.mktemp("ck") / "layer.safetensors"
-    pio.save(layer, path, parts=parts, block_bytes=block_rows * 4)
+    pio.save(layer, path, parts=parts, block_bytes=block_rows * 4, ple_only=scheme is not None)
     loaded = pio.load_layer(path, block_bytes=block_rows * 4)
     note(f"rows per block {block_rows}")
     assert_same_layer(layer, loaded)
@@ -213,7 +213,7 @@ def test_fp8_and_int8_tables_need_their_scales(tmp_path):
     for scheme, scale_key, message in cases:
         layer2 = random_layer(seed=6)
         layer2.ple_embedding.quantize_(scheme)
-        pio.save(layer2, tmp_path / scheme, parts=4)
+        pio.save(layer2, tmp_path / scheme, parts=4, ple_only=True)
         sd = tensors(tmp_path / scheme)
         del sd[PFX0 + scale_key]
         with pytest.raises(ValueError, match=message):
@@ -319,7 +319,8 @@ def test_tables_are_read_in_blocks_and_inspect_reads_none(tmp_path, monkeypatch)
     assert table_reads and all(start is not None and n <= block for _, start, n in table_reads)
     assert sum(n for *_, n in table_reads) == layer.ple_embedding.ngram_embedding.weight.shape[0]
     reads.clear()
-    pio.convert(tmp_path / "ck", tmp_path / "fp8", parts=2, table_dtype="fp8", block_bytes=block * 4 * 4)
+    pio.convert(tmp_path / "ck", tmp_path / "fp8", parts=2, table_dtype="fp8", block_bytes=block * 4 * 4,
+                ple_only=True)
     table_reads = [r for r in reads if "ngram_embedding" in r[0] and r[0].endswith("weight")]
     assert all(start is not None and n <= block for _, start, n in table_reads)
 
@@ -328,7 +329,7 @@ def test_reads_without_a_memory_map(tmp_path, monkeypatch):
     """Where safe_open cannot map a file (address-space limits), positioned reads give the same tensors."""
     layer = random_layer(seed=15)
     layer.ple_embedding.quantize_("int8")
-    pio.save(layer, tmp_path / "ck", parts=3)
+    pio.save(layer, tmp_path / "ck", parts=3, ple_only=True)
     monkeypatch.setattr(Checkpoint, "_handle", lambda self, file: None)
     assert_same_layer(layer, pio.load_layer(tmp_path / "ck", block_bytes=1000))
     ckpt = Checkpoint.open(tmp_path / "ck")
@@ -363,16 +364,23 @@ def test_streaming_writer_matches_safetensors(tmp_path_factory, data):
 
 # ---- CLI --------------------------------------------------------------------------------------------------
 def test_inspect_cli(tmp_path, capsys):
-    pio.save([random_layer(TINY, i) for i in range(2)], tmp_path / "ck", merged_kv=True)
+    pio.save([random_layer(TINY, i) for i in range(2)], tmp_path / "ck", merged_kv=True, ple_only=True)
     assert main(["inspect", str(tmp_path / "ck")]) == 0
     out = capsys.readouterr().out
     for text in ("PLE layer 0: prefix 'model.language_model.layers.0.ple.'", "PLE layer 1",
                  "ple_embedding.ngram_embedding.shard_{0..3}.weight", "[1532, 4]", "bfloat16", "(4 shards)",
-                 "kv_proj.weight", "[72, 24]", "ple_embedding.layer_multipliers: matches the config", "KiB"):
+                 "kv_proj.weight", "[72, 24]", "ple_embedding.layer_multipliers: matches the config", "KiB",
+                 "for ple only (marked so in the checkpoint): transformers would load it wrong"):
         assert text in out, text
     assert main(["inspect", str(tmp_path / "ck"), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [b["status"] for b in report["layers"][1]["buffers"]] == ["match"] * 3
+    rows = {r["key"]: r for r in report["layers"][0]["tensors"]}
+    assert rows["kv_proj.weight"]["shape"] == [72, 24]                          # shapes are lists, not text
+    shards = rows["ple_embedding.ngram_embedding.shard_{0..3}.weight"]
+    assert shards["shape"] == [1532, 4] and shards["shapes"] == [[1532, 4]] * 4
+    assert report["ple_only"] == ["merged kv_proj: transformers would leave key_proj and value_proj randomly "
+                                  "initialised"] and report["ple_only_marked"]
     # Buffers against another config: a mismatch, reported (exit status 1).
     cfg = tmp_path / "other.json"
     cfg.write_text(json.dumps(PLEConfig.preset("tiny", seed=99).to_dict()))
@@ -390,7 +398,7 @@ def test_saved_resharded_fp8_pipeline_meets_the_bound(tmp_path, capsys):
     table = layer.ple_embedding.ngram_embedding.weight.detach()
     pio.save(layer, tmp_path / "a")
     assert main(["convert", str(tmp_path / "a"), str(tmp_path / "b"), "--parts", "3"]) == 0
-    assert main(["convert", str(tmp_path / "b"), str(tmp_path / "c"), "--table-dtype", "fp8",
+    assert main(["convert", str(tmp_path / "b"), str(tmp_path / "c"), "--table-dtype", "fp8", "--ple-only",
                  "--kv", "merged", "--block-size", "4KiB"]) == 0
     out = capsys.readouterr().out
     assert "3 shards, float8_e4m3fn" in out
@@ -426,13 +434,32 @@ def test_convert_to_int8_and_back(tmp_path):
     layer = random_layer(seed=14)
     table = layer.ple_embedding.ngram_embedding.weight.detach()
     pio.save(layer, tmp_path / "a", parts=5)
-    pio.convert(tmp_path / "a", tmp_path / "b", table_dtype="int8", parts=2, block_bytes=1000)
+    pio.convert(tmp_path / "a", tmp_path / "b", table_dtype="int8", parts=2, block_bytes=1000, ple_only=True)
     keys = Checkpoint.open(tmp_path / "b").keys()
     assert PFX0 + "ple_embedding.ngram_embedding.shard_1.weight_scale" in keys
     loaded = pio.load_layer(tmp_path / "b")
     q, s = quantize(table, "int8")
     assert torch.equal(loaded.ple_embedding.ngram_embedding.weight, q)
     assert torch.equal(loaded.ple_embedding.ngram_embedding.weight_scale, s)
-    pio.convert(tmp_path / "b", tmp_path / "c", parts=0)                  # int8 stays int8, re-sharded
+    pio.convert(tmp_path / "b", tmp_path / "c", parts=0, ple_only=True)     # int8 stays int8, re-sharded
     again = pio.load_layer(tmp_path / "c")
     assert_same_layer(loaded, again)
+
+
+def test_save_refuses_what_transformers_would_load_wrong_unless_ple_only(tmp_path):
+    """An FP8 / int8 table or a merged kv_proj: ValueError naming the argument, nothing written; with
+    ple_only=True it is written and marked in config.json and the file metadata."""
+    layer = random_layer(TINY, 0)
+    for kwargs, arg in (({"table_dtype": "fp8"}, "table_dtype"), ({"merged_kv": True}, "merged_kv")):
+        with pytest.raises(ValueError, match=f"^{arg}: transformers would load this checkpoint wrong"):
+            pio.save(layer, tmp_path / arg, **kwargs)
+        assert not (tmp_path / arg).exists()
+        pio.save(layer, tmp_path / arg, **kwargs, ple_only=True)
+        assert json.loads((tmp_path / arg / "config.json").read_text())["ple_only"]
+        assert pio.inspect(tmp_path / arg)["ple_only_marked"]
+    layer.ple_embedding.quantize_("int8")                             # a quantized layer kept as it is
+    with pytest.raises(ValueError, match="^table_dtype: .*int8 table"):
+        pio.save(layer, tmp_path / "int8.safetensors")
+    pio.save(layer, tmp_path / "float", table_dtype="float32")        # dequantized: loadable, not marked
+    assert "ple_only" not in json.loads((tmp_path / "float" / "config.json").read_text())
+    assert pio.inspect(tmp_path / "float")["ple_only"] == []
