@@ -12,7 +12,7 @@ Needs transformers >= 5.23 (``pip install 'ple[hf]'``); importing ``ple`` never 
 
 Every ``Qwen4ExpTextPLELayer`` of the model (the causal-LM and the conditional-generation
 forms alike) is replaced by a `TransformersPLELayer`: a `PLELayer` whose ``forward`` takes
-the model's module's arguments ``(hidden_states, input_ids, past_key_values, conv_mask)``
+the model's module's arguments ``(hidden_states, input_ids, cache, conv_mask)``
 and returns what that module returns, the layer's own term ``gated + conv`` (the decoder
 layer adds it to the hidden states; it is computed directly, never as ``layer(h) - h``).
 It holds the *same* parameter and buffer objects under the same names, so ``state_dict()``,
@@ -83,7 +83,7 @@ def _modeling():
 class TransformersPLELayer(PLELayer):
     """A `PLELayer` with the calling convention of transformers' ``Qwen4ExpTextPLELayer``.
 
-    ``forward(hidden_states [B, L, C], input_ids [B, L], past_key_values=None, conv_mask=None)``
+    ``forward(hidden_states [B, L, C], input_ids [B, L], cache=None, conv_mask=None)``
     returns the layer's term ``gated + conv`` ``[B, L, C]`` in the hidden states' dtype, not
     ``hidden_states + ...``; see the module docstring for the cache protocol. Built by
     `patch` around the model's own tensors (`from_module`); ``layer_idx`` is the decoder
@@ -120,13 +120,18 @@ class TransformersPLELayer(PLELayer):
         layer.train(module.training)
         return layer
 
-    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, past_key_values=None,
-                conv_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, cache=None,
+                conv_mask: torch.Tensor | None = None, *, past_key_values=None) -> torch.Tensor:
         """The model's module's forward: ``gated + conv`` for ``[B, L, C]`` hidden states and ``[B, L]`` ids.
 
-        ``past_key_values`` is the model's cache (or None: whole sequences, as in training);
-        ``conv_mask`` its ``[B, L]`` padding mask (bool, integer or float; non-zero keeps).
+        ``cache`` is the model's cache object (or None: whole sequences, as in training); transformers
+        5.23 passes it as ``past_key_values``, 5.24 as ``cache`` (both accepted). ``conv_mask`` is its
+        ``[B, L]`` padding mask (bool, integer or float; non-zero keeps).
         """
+        if past_key_values is not None:
+            if cache is not None:
+                raise TypeError("past_key_values: got both cache and past_key_values; pass one")
+            cache = past_key_values
         cfg = self.config
         self._check_hidden(hidden_states, 3)
         B, L, C = hidden_states.shape
@@ -138,7 +143,7 @@ class TransformersPLELayer(PLELayer):
             if conv_mask.dtype.is_complex:
                 raise TypeError(f"conv_mask: expected a bool, integer or float tensor, got {conv_mask.dtype}")
             keep = (conv_mask != 0).reshape(B * L, 1)
-        context = self._ngram_context(input_ids, past_key_values)
+        context = self._ngram_context(input_ids, cache)
         query_start_loc = torch.arange(B + 1, device=dev, dtype=torch.int64) * L
         check_values = self.backend == "triton" or not torch.compiler.is_compiling()
         emb = self.hashed_rows(input_ids.reshape(B * L), hidden_states.dtype, query_start_loc=query_start_loc,
@@ -149,7 +154,7 @@ class TransformersPLELayer(PLELayer):
         if keep is not None:
             m = keep.to(gated.dtype)
             gated, conv_input = gated * m, conv_input * m
-        y = self._conv(conv_input.reshape(B, L, C), past_key_values)
+        y = self._conv(conv_input.reshape(B, L, C), cache)
         return gated.reshape(B, L, C) + y
 
     def _ngram_context(self, input_ids: torch.Tensor, cache) -> torch.Tensor | None:
