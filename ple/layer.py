@@ -239,7 +239,7 @@ class PLELayer(nn.Module):
                   query_start_loc=query_start_loc, ngram_context=ngram_context)
         t = self.table
         if (self.backend == "triton" and type(t) is DenseTable and not t.sparse_grad and t.pending_prefetch is None
-                and t.weight.device == input_ids.device):
+                and not t.is_dtensor and t.weight.device == input_ids.device):
             return self.ops.ngram_embedding(t.weight, input_ids, self.ple_embedding.hash_params(), **kw,
                                             validate=validate).to(dtype)
         ids = self.ops.ngram_ids(input_ids, self.ple_embedding.hash_params(), **kw, validate=validate)

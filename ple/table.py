@@ -44,6 +44,14 @@ def is_float_table(dtype: torch.dtype) -> bool:
     return dtype in FLOAT_TABLE_DTYPES
 
 
+def _is_dtensor(t) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 def gather_raw(weight: torch.Tensor, weight_scale: torch.Tensor | None, ids: torch.Tensor, lookup):
     """The stored rows of hash ids ``[T, NH]``: ``(rows [T, NH * D] in weight's dtype, row_scale)``.
 
@@ -115,8 +123,17 @@ class Table(nn.Module):
                 return dequantize_rows(*got, dtype) if self.quantized else got[0].to(dtype)
         return self.lookup(ids, dtype, ops=ops, validate=validate)
 
+    @property
+    def is_dtensor(self) -> bool:
+        """The weight is a ``DTensor`` (``ple.distributed.TableRowwise`` / ``TableColwise``): lookups are collective."""
+        return _is_dtensor(self.weight)
+
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype, *, ops, validate: bool = True) -> torch.Tensor:
         """`rows` without a prefetch: gathered now."""
+        if self.is_dtensor:
+            from .distributed.dtensor import dtensor_rows
+
+            return dtensor_rows(self, ids, dtype, ops=ops, validate=validate)
         if self.weight.device == ids.device:
             lookup = functools.partial(ops.embedding_lookup, validate=validate)
             if self.sparse_grad and self.weight.requires_grad and torch.is_grad_enabled():
@@ -155,6 +172,9 @@ class Table(nn.Module):
 
         A per-row scale goes with the rows; a per-tensor scale stays where it is.
         """
+        if self.is_dtensor:
+            raise NotImplementedError("offload_: a DTensor table is looked up collectively; keep each rank's piece "
+                                      "on its device")
         pin = torch.cuda.is_available() if pin is None else bool(pin)
 
         def host(t: torch.Tensor) -> torch.Tensor:
@@ -177,6 +197,9 @@ class Table(nn.Module):
         """
         from .offload import start_fetch
 
+        if self.is_dtensor:
+            raise NotImplementedError("start_prefetch: a DTensor table is looked up collectively; there is "
+                                      "nothing to prefetch")
         self._pending = start_fetch(self.weight, self.scale, ids, torch.device(device))
 
     def _apply(self, fn, recurse=True):

@@ -20,6 +20,15 @@
 """
 
 from .comm import Comm, as_comm
+from .dtensor import (
+    TableColwise,
+    TableRowwise,
+    dense_params,
+    exclude_tables_from_ddp,
+    load_table_piece_,
+    local_token_rows,
+    parallelize_tables,
+)
 from .exchange import all_gather_rows, halo_exchange
 from .launch import spawn
 from .partition import HaloPlan, even_bounds, fragments, halo_plan, row_range
@@ -32,4 +41,6 @@ __all__ = [
     "halo_exchange", "all_gather_rows", "EXCHANGES", "sp_forward", "sp_dilated_causal_conv", "sync_grads",
     "sp_step",
     "ShardedTable", "ShardedPLELayer",
+    "TableRowwise", "TableColwise", "parallelize_tables", "exclude_tables_from_ddp", "dense_params",
+    "local_token_rows", "load_table_piece_",
 ]
