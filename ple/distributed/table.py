@@ -286,6 +286,9 @@ class ShardedPLELayer(PLELayer):
     as ``ple.quant`` does, so a quantized whole layer's state dict loads too).
     Training with replicated tokens: every rank gets the full gradient of the
     replicated parameters and the gradient of its own rows; do not all-reduce them.
+    ``DistributedDataParallel(layer)`` leaves the table out of its all-reduce (the layer
+    puts it on DDP's ignore list); for a model holding such layers call
+    ``ple.distributed.exclude_tables_from_ddp(model)`` before wrapping it.
     """
 
     def __init__(self, config: PLEConfig, ple_layer_index: int = 0, *, group=None,
@@ -294,6 +297,10 @@ class ShardedPLELayer(PLELayer):
         table = ShardedTable(hash_params(config, ple_layer_index).num_rows, config.ngram_head_dim, group=group,
                              row_range=row_range, device=device, dtype=table_dtype or dtype, scale=scale)
         super().__init__(config, ple_layer_index, backend=backend, device=device, dtype=dtype, table=table)
+        # DDP must not average (or, with uneven shards, even compare) the shards of different ranks.
+        from .dtensor import exclude_tables_from_ddp
+
+        exclude_tables_from_ddp(self)
 
     @classmethod
     def from_layer(cls, layer: PLELayer, group=None, *, row_range: tuple[int, int] | None = None,

@@ -185,6 +185,24 @@ def check_ddp_excludes_the_table(rank, W, ckpt):
     _data_parallel(rank, W, lambda layer, mesh: DDP(layer))
 
 
+def check_ddp_leaves_a_sharded_layers_rows_alone(rank, W, ckpt):
+    """DDP around the row-sharded `ShardedPLELayer` (uneven rows at W = 3): its rows are not averaged with other
+    ranks' rows, so gradients equal one process's (replicated tokens: the dense ones are averaged over equals)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from ple.distributed import ShardedPLELayer
+
+    full = make_layer()
+    hidden, ids, probe = batch(1, 2)
+    (full(hidden, ids) * probe).sum().backward()
+    layer = ShardedPLELayer.from_layer(full)
+    layer.zero_grad()
+    (DDP(layer)(hidden, ids) * probe).sum().backward()
+    t = layer.table
+    close(t.weight.grad, full.table.weight.grad[t.row_start:t.row_end], "d table rows")
+    close(layer.key_proj.weight.grad, full.key_proj.weight.grad, "d key_proj")
+
+
 def check_checkpoint_pieces(rank, W, ckpt):
     """A table never built whole (meta) is filled piece by piece from the checkpoint; another config is refused."""
     full = make_layer()
@@ -213,7 +231,7 @@ def check_checkpoint_pieces(rank, W, ckpt):
 
 CHECKS = {f.__name__.removeprefix("check_"): f for f in (
     check_replicated_tokens, check_serving_steps, check_fsdp2_dense_params, check_ddp_excludes_the_table,
-    check_checkpoint_pieces)}
+    check_ddp_leaves_a_sharded_layers_rows_alone, check_checkpoint_pieces)}
 
 
 def run_checks(rank, world_size, names, ckpt):
