@@ -60,6 +60,20 @@ class Comm:
     def __repr__(self) -> str:
         return f"Comm(rank={self.rank}, world_size={self.world_size}, bytes_sent={dict(self.bytes_sent)})"
 
+    @property
+    def mesh(self):
+        """This group as a 1-D ``DeviceMesh`` (made once), for DTensor collectives on the same ranks."""
+        if getattr(self, "_mesh", None) is None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            group = self.group if self.group is not None else dist.group.WORLD
+            self._mesh = DeviceMesh.from_group(group, "cuda" if "nccl" in self.backend else "cpu")
+        return self._mesh
+
+    def count(self, category: str, nbytes: float) -> None:
+        """Count ``nbytes`` sent under ``category`` (for collectives issued elsewhere, e.g. by DTensor)."""
+        self._count(category, nbytes)
+
     def reset(self) -> None:
         self.bytes_sent.clear()
         self.calls.clear()

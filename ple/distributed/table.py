@@ -11,11 +11,12 @@ Two lookups, by where the tokens are:
 
 * `ShardedTable.rows` (the ``ple.table.Table`` lookup, so `PLELayer.embed` uses it
   unchanged): every rank looks up the same ids (the layer is
-  replicated, only the table is split). Forward all-reduce, backward identity.
+  replicated, only the table is split). Forward all-reduce, backward identity: DTensor's
+  ``Partial -> Replicate`` redistribute, and its autograd.
 * `ShardedTable.lookup_sequence_parallel`: each rank has its own tokens (the
   step's rows are split across ranks). The ids are all-gathered, every rank
   looks up its rows for all tokens, and a reduce-scatter returns each rank its
-  tokens' embeddings. Backward all-gathers the gradients of the embeddings, so
+  tokens' embeddings (DTensor's ``Partial -> Shard(0)``). Backward all-gathers the gradients of the embeddings, so
   each rank's shard gets the gradient of every token that hit its rows.
 
 Quantized tables (the conventions of ``ple.quant``): ``weight`` may have any dtype
@@ -51,30 +52,27 @@ from .partition import row_range as balanced_row_range
 __all__ = ["ShardedTable", "ShardedPLELayer"]
 
 
-class _AllReduceSum(torch.autograd.Function):
-    """Forward: sum over ranks. Backward: identity (every rank computes the same loss downstream)."""
+def _sum_partials(x: torch.Tensor, comm: Comm, category: str, *, scatter: bool) -> torch.Tensor:
+    """Sum every rank's ``x`` (each holds a part: its owned rows, zeros elsewhere), with DTensor's autograd.
 
-    @staticmethod
-    def forward(ctx, x, comm: Comm, category: str):
-        return comm.all_reduce(x.clone(), category)
+    ``scatter=False``: the whole sum (``Partial -> Replicate``, an all-reduce; backward: the
+    gradient as it is, every rank computing the same loss). ``scatter=True``: ``x`` is
+    ``[W * m, ...]`` and this rank gets its ``[m, ...]`` block (``Partial -> Shard(0)``, a
+    reduce-scatter; backward: an all-gather). Bytes are counted on ``comm`` as its own
+    collectives count them (the backward's under ``category + "_grad"``).
+    """
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
-
-
-class _ReduceScatterRows(torch.autograd.Function):
-    """Forward: ``[W * m, E]`` summed over ranks, this rank's ``[m, E]`` block. Backward: all-gather."""
-
-    @staticmethod
-    def forward(ctx, x, comm: Comm, category: str):
-        ctx.comm, ctx.category = comm, category
-        return comm.reduce_scatter(x, category)
-
-    @staticmethod
-    def backward(ctx, grad):
-        g = ctx.comm.all_gather(grad.contiguous(), ctx.category + "_grad")          # [W, m, E]
-        return g.reshape(-1, *grad.shape[1:]), None, None
+    mesh, W = comm.mesh, comm.world_size
+    n = x.numel() * x.element_size()
+    if scatter and x.shape[0] % W:
+        raise ValueError(f"x: expected a multiple of world_size={W} rows, got {x.shape[0]}")
+    part = DTensor.from_local(x.contiguous(), mesh, [Partial()], run_check=False)
+    out = part.redistribute(mesh, [Shard(0) if scatter else Replicate()]).to_local()
+    comm.count(category, (W - 1) / W * n if scatter else 2 * (W - 1) / W * n)
+    if scatter and out.requires_grad:
+        out.register_hook(lambda g: comm.count(category + "_grad", (W - 1) * g.numel() * g.element_size()))
+    return out
 
 
 class ShardedTable(Table):
@@ -225,7 +223,7 @@ class ShardedTable(Table):
             if row_scale is not None:
                 row_scale = self.comm.all_reduce(row_scale.contiguous(), "table_scale")
         else:
-            summed = _AllReduceSum.apply(payload, self.comm, "table_reduce")
+            summed = _sum_partials(payload, self.comm, "table_reduce", scatter=False)
         return self._finish(summed, row_scale, T, NH, dtype)
 
     lookup = rows
@@ -255,7 +253,7 @@ class ShardedTable(Table):
                 row_scale = comm.reduce_scatter(row_scale.reshape(W * m, NH), "table_scale")
                 row_scale = row_scale[:T].reshape(-1)
         else:
-            summed = _ReduceScatterRows.apply(payload.reshape(W * m, width), comm, "table_reduce")
+            summed = _sum_partials(payload.reshape(W * m, width), comm, "table_reduce", scatter=True)
         summed = summed[:T].reshape(T * NH, payload.shape[1])
         return self._finish(summed, row_scale, T, NH, dtype)
 
