@@ -158,7 +158,14 @@ class Comm:
 
 
 def as_comm(group) -> Comm:
-    """A `Comm` for ``group``: a `Comm` is returned as is, a process group (or ``None``) is wrapped."""
+    """A `Comm` for ``group``: a `Comm` is returned as is; a process group (``None``: the default one) or a 1-D
+    ``DeviceMesh`` (its group) is wrapped."""
     if isinstance(group, Comm):
         return group
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"group: expected a 1-D DeviceMesh, got {group.ndim} dimensions")
+        group = group.get_group()
     return Comm(group)

@@ -23,6 +23,7 @@ summed loss. A sharded table's gradient is already complete for its rows.
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from .. import _checks
 from .comm import Comm, as_comm
@@ -42,6 +43,8 @@ def resolve_comm(layer, group) -> Comm:
     """
     if group is None and isinstance(layer, ShardedPLELayer):
         return layer.comm
+    if group is None and layer.table.is_dtensor:
+        return as_comm(layer.table.weight.device_mesh)
     comm = as_comm(group)
     if isinstance(layer, ShardedPLELayer) and comm.group is not layer.comm.group:
         raise ValueError("group: a sharded layer's table must be split over the sequence-parallel group")
@@ -55,27 +58,48 @@ def _cumsum(lengths) -> list[int]:
     return out
 
 
-def local_ngram_ids(layer, input_ids: torch.Tensor, local_starts: list[int], contexts: list[list[int]]):
-    """Hash ids ``[T_k, NH]`` of request pieces cut by ``local_starts``, each with its n-gram context."""
+def local_ngram_ids(layer, input_ids: torch.Tensor, local_starts: list[int], contexts, *, validate: bool = True):
+    """Hash ids ``[T_k, NH]`` of request pieces cut by ``local_starts``, each with its n-gram context
+    (``contexts``: a ``[pieces, N-1]`` int64 tensor on the tokens' device, or nested lists)."""
     cfg = layer.config
     dev = input_ids.device
     if len(local_starts) == 1:                                  # no rows here (the ops want a request)
         return torch.zeros((0, cfg.num_ngram_heads), dtype=torch.int64, device=dev)
+    if not isinstance(contexts, torch.Tensor):
+        contexts = torch.tensor(contexts, dtype=torch.int64, device=dev).reshape(len(contexts), cfg.context_len)
     return layer.ops.ngram_ids(
         input_ids, layer.ple_embedding.hash_params(), heads_per_ngram=cfg.heads_per_ngram,
         eos_token_id=cfg.eos_token_id, query_start_loc=torch.tensor(local_starts, device=dev),
-        ngram_context=torch.tensor(contexts, dtype=torch.int64, device=dev).reshape(len(contexts),
-                                                                                  cfg.context_len))
+        ngram_context=contexts, validate=validate)
 
 
 def _embed(layer, ids: torch.Tensor, dtype: torch.dtype, counts: list[int]) -> torch.Tensor:
+    """Rows of this rank's ids: the sequence-parallel lookup of a sharded table (counts from the split, so no
+    host sync; a DTensor table's gradient is the sum over ranks, as `sync_grads` sums the others)."""
     if isinstance(layer, ShardedPLELayer):
         return layer.embed_sequence_parallel(ids, dtype, counts)
-    return layer.embed(ids, dtype)
+    if layer.table.is_dtensor:
+        from .dtensor import local_token_rows
+
+        return local_token_rows(layer, ids, dtype, counts=counts, reduce="sum")
+    return layer.embed(ids, dtype, validate=False)                  # ids of the layer's own hash
+
+
+def _host_offsets(name: str, values, total: int | None = None) -> list[int]:
+    """Offsets given on the host (a list or tuple of ints): validated without touching a device."""
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values) or len(values) < 1:
+        raise TypeError(f"{name}: expected a list of ints or an int tensor, got {values!r}")
+    q = list(values)
+    if q[0] != 0 or any(b < a for a, b in zip(q, q[1:])):
+        raise ValueError(f"{name}: expected non-decreasing offsets from 0, got {q}")
+    if total is not None and q[-1] != total:
+        raise ValueError(f"{name}: expected to end at the number of rows {total}, got {q[-1]}")
+    return q
 
 
 def sp_forward(layer, hidden_states: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-               group=None, *, bounds: list[int] | None = None, exchange: str = "halo") -> torch.Tensor:
+               group=None, *, bounds: list[int] | None = None, exchange: str = "halo",
+               validate: bool = True) -> torch.Tensor:
     """This rank's rows of ``layer`` over a packed batch split across ranks: ``[T_k, C] -> [T_k, C]``.
 
     ``hidden_states`` ``[T_k, C]`` and ``input_ids`` ``[T_k]`` are this rank's rows;
@@ -85,16 +109,29 @@ def sp_forward(layer, hidden_states: torch.Tensor, input_ids: torch.Tensor, cu_s
     hold no rows. The result equals rows ``[bounds[k], bounds[k + 1])`` of ``layer``
     run over each whole sequence in one process. Autograd reaches every parameter,
     ``hidden_states`` and (through the halo) the other ranks' rows.
+
+    ``group``: a process group, a `Comm`, or a 1-D ``DeviceMesh`` (its group). The layer's
+    table may be whole, a `ShardedPLELayer`'s, or a DTensor (``TableRowwise`` /
+    ``TableColwise``; its lookup is then `local_token_rows` with the split's counts).
+
+    Host syncs: none in forward or backward when ``cu_seqlens`` is a Python list (the
+    batch's metadata, on the host) and ``validate=False`` (token ids not range-checked; a
+    tensor ``cu_seqlens`` costs one device-to-host copy, ``validate=True`` one read of the
+    tokens). The n-gram context from the token halo is assembled on the device.
     """
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
     comm = resolve_comm(layer, group)
     layer._check_hidden(hidden_states, 2)
     dev = hidden_states.device
-    _checks.tensor("cu_seqlens", cu_seqlens, ndim=1, kind="int", device=dev)
-    host = _checks.host_list(cu_seqlens)
-    total = host[-1] if host else 0
-    starts = _checks.offsets_arg("cu_seqlens", cu_seqlens, total=total, device=dev)
+    if isinstance(cu_seqlens, (list, tuple)):                       # host metadata: no device read at all
+        starts = _host_offsets("cu_seqlens", cu_seqlens)
+        total = starts[-1]
+    else:
+        _checks.tensor("cu_seqlens", cu_seqlens, ndim=1, kind="int", device=dev)
+        host = _checks.host_list(cu_seqlens)                         # one device-to-host copy
+        total = host[-1] if host else 0
+        starts = _checks.offsets_arg("cu_seqlens", cu_seqlens, total=total, device=dev, host={"cu_seqlens": host})
     W, k = comm.world_size, comm.rank
     bounds = even_bounds(total, W) if bounds is None else check_bounds("bounds", bounds, total, W)
     lo, hi = bounds[k], bounds[k + 1]
@@ -113,10 +150,10 @@ def sp_forward(layer, hidden_states: torch.Tensor, input_ids: torch.Tensor, cu_s
     # n-gram context of a sequence continued from an earlier rank: its last N-1 tokens there.
     tok_plan = halo_plan(bounds, starts, N1, k)
     tok_halo = halo_exchange(input_ids.to(torch.int64), tok_plan, comm, "token_halo")
-    ctx = [[eos] * N1 for _ in frags]
-    if frags and tok_plan.num_recv:
-        ctx[0] = ([eos] * N1 + tok_halo.tolist())[-N1:]
-    ids = local_ngram_ids(layer, input_ids, local_starts, ctx)
+    ctx = torch.full((len(frags), N1), eos, dtype=torch.int64, device=dev)
+    if frags and tok_plan.num_recv:                                  # on the device: no host read of the halo
+        ctx[0] = torch.cat([ctx[0], tok_halo])[-N1:]
+    ids = local_ngram_ids(layer, input_ids, local_starts, ctx, validate=validate)
     counts = [bounds[r + 1] - bounds[r] for r in range(W)]
     emb = _embed(layer, ids, hidden_states.dtype, counts)                 # [T_k, E]
     gated, conv_input = layer.gate(emb, hidden_states)                   # [T_k, C] each
@@ -154,7 +191,7 @@ def sp_dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: i
         counts = [bounds[r + 1] - bounds[r] for r in range(W)]
         full = all_gather_rows(x, counts, comm, "conv_allgather")            # [T, C]
         return ops.dilated_causal_conv(full, weight, dilation=dilation,
-                                       cu_seqlens=torch.tensor(starts, device=dev))[lo:hi]
+                                       cu_seqlens=torch.tensor(starts, device=dev), validate=False)[lo:hi]
     plan = halo_plan(bounds, starts, S, k)
     halo = halo_exchange(x, plan, comm, "conv_halo")                         # [<= S, C]
     ext = torch.cat([halo, x], dim=0)
@@ -162,20 +199,21 @@ def sp_dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: i
     if not lens:                                                              # no rows here (and no halo)
         return ext
     lens[0] += plan.num_recv                                                  # the halo opens the first piece
-    y = ops.dilated_causal_conv(ext, weight, dilation=dilation,
-                                cu_seqlens=torch.tensor(_cumsum(lens), device=dev))
+    y = ops.dilated_causal_conv(ext, weight, dilation=dilation,                # offsets of our own split
+                                cu_seqlens=torch.tensor(_cumsum(lens), device=dev), validate=False)
     return y[plan.num_recv:]
 
 
 def sync_grads(module: torch.nn.Module, group=None) -> None:
     """Sum every replicated parameter's gradient over the group, in place (after sequence-parallel backward).
 
-    Tables of `ShardedTable` modules are skipped: their gradients are already
-    complete for their rows. A parameter that needs a gradient but got none here
+    Tables of `ShardedTable` modules and DTensor tables are skipped: their gradients are
+    already complete for their rows (or columns). A parameter that needs a gradient but got none here
     (a rank with no rows) counts as zero, so every rank makes the same calls.
     """
     comm = as_comm(group)
     sharded = {id(m.weight) for m in module.modules() if isinstance(m, ShardedTable)}
+    sharded |= {id(p) for p in module.parameters() if isinstance(p, DTensor)}                 # DTensor tables
     for p in module.parameters():
         if id(p) in sharded or not p.requires_grad:
             continue

@@ -203,6 +203,46 @@ def check_ddp_leaves_a_sharded_layers_rows_alone(rank, W, ckpt):
     close(layer.key_proj.weight.grad, full.key_proj.weight.grad, "d key_proj")
 
 
+def check_sequence_parallel_on_the_mesh_without_host_syncs(rank, W, ckpt):
+    """sp_forward on the DeviceMesh with the table a DTensor (rows, columns): this rank's rows and every gradient
+    equal one process's (summed loss, after sync_grads); with list offsets and validate=False, forward and backward
+    turn no tensor into a Python value (no host sync)."""
+    from ple.distributed import sp_forward, sync_grads
+    from ple.distributed.partition import even_bounds
+    from ple.testing.conversions import count_host_conversions
+
+    full = make_layer()
+    starts = [0, 5, 21, 22, 22, 31]                      # a sequence across every boundary, an empty one
+    T, C = starts[-1], CONFIG.hc_hidden_size
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, CONFIG.vocab_size, (T,), generator=g)
+    ids[19] = CONFIG.eos_token_id
+    hidden = torch.randn(T, C, generator=g, dtype=torch.float64)
+    probe = torch.randn(T, C, generator=g, dtype=torch.float64)
+    h = hidden.clone().requires_grad_(True)
+    ref = torch.cat([full(h[a:b][None], ids[a:b][None])[0] for a, b in zip(starts, starts[1:]) if b > a])
+    (ref * probe).sum().backward()
+    mesh = mesh_of(W)
+    bounds = even_bounds(T, W) if W != 3 else [0, 2, 2, T]          # W = 3: a rank with no tokens, one with 2 < S
+    lo, hi = bounds[rank], bounds[rank + 1]
+    for placement in PLACEMENTS:
+        layer = parallelize_tables(copy.deepcopy(full), mesh, placement)
+        layer.zero_grad()
+        hk = hidden[lo:hi].clone().requires_grad_(True)
+        with count_host_conversions() as seen:
+            out = sp_forward(layer, hk, ids[lo:hi], starts, mesh, bounds=bounds, validate=False)
+            (out * probe[lo:hi]).sum().backward()
+        expect(seen.count == 0, f"{placement}: {seen.report()}")
+        sync_grads(layer, mesh)
+        close(out, ref[lo:hi], f"{placement}: sp output")
+        close(hk.grad, h.grad[lo:hi], f"{placement}: sp d hidden")
+        for (name, p), (_, q) in zip(layer.named_parameters(), full.named_parameters(), strict=True):
+            if name.endswith("ngram_embedding.weight"):
+                close(p.grad.to_local(), local_piece(q.grad, placement, W, rank), f"{placement}: sp d table piece")
+            else:
+                close(p.grad, q.grad, f"{placement}: sp d {name}")
+
+
 def check_checkpoint_pieces(rank, W, ckpt):
     """A table never built whole (meta) is filled piece by piece from the checkpoint; another config is refused."""
     full = make_layer()
@@ -231,7 +271,8 @@ def check_checkpoint_pieces(rank, W, ckpt):
 
 CHECKS = {f.__name__.removeprefix("check_"): f for f in (
     check_replicated_tokens, check_serving_steps, check_fsdp2_dense_params, check_ddp_excludes_the_table,
-    check_ddp_leaves_a_sharded_layers_rows_alone, check_checkpoint_pieces)}
+    check_ddp_leaves_a_sharded_layers_rows_alone, check_sequence_parallel_on_the_mesh_without_host_syncs,
+    check_checkpoint_pieces)}
 
 
 def run_checks(rank, world_size, names, ckpt):
