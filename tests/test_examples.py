@@ -41,6 +41,18 @@ def test_train_sharded_runs_under_torchrun_and_learns():
     assert last < first - 1.0
 
 
+def test_serve_sharded_runs_under_torchrun_and_matches_the_whole_table():
+    """Each of 2 gloo ranks serves its own requests from its own cache, idle steps included, bit for bit."""
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           str(ROOT / "examples" / "serve_sharded.py")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith("rank ")]
+    assert len(lines) == 2 and all("equal the whole-table layer bit for bit" in line for line in lines), lines
+    assert any("(0 idle)" not in line for line in lines)                # an idle step joined the lookups
+
+
 def test_train_tiny_ple_beats_its_no_ple_twin(capsys):
     example = _load_example("train_tiny")
     assert example.main(["--steps", "60"]) == 0

@@ -25,6 +25,7 @@ from .dtensor import (
     TableRowwise,
     dense_params,
     exclude_tables_from_ddp,
+    join_table_lookup,
     load_table_piece_,
     local_token_rows,
     parallelize_tables,
@@ -42,5 +43,5 @@ __all__ = [
     "sp_step",
     "ShardedTable", "ShardedPLELayer",
     "TableRowwise", "TableColwise", "parallelize_tables", "exclude_tables_from_ddp", "dense_params",
-    "local_token_rows", "load_table_piece_",
+    "local_token_rows", "join_table_lookup", "load_table_piece_",
 ]

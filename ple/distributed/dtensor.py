@@ -33,7 +33,9 @@ Two kinds of lookup:
   sharded, the rest of the layer replicated). Outputs and gradients equal one process's.
 * `local_token_rows`: each rank passes its own tokens (data parallel, or sequence
   parallel), ``counts`` giving every rank's token count (a host list; without it one small
-  all-gather finds them, a host sync). ``reduce="mean"`` (default) scales the table's
+  all-gather finds them, a host sync). Serving this way, each rank keeps only its own
+  requests' ``PLECache`` and steps them with ``layer.step``; a rank without a request in a
+  step joins the lookup with `join_table_lookup`. ``reduce="mean"`` (default) scales the table's
   gradient by ``1 / W``, so it is the gradient of the mean of the ranks' losses, as FSDP2 and
   DDP average the dense gradients; ``"sum"`` leaves the sum.
 
@@ -63,7 +65,8 @@ from .. import _checks
 from ..table import DenseTable
 
 __all__ = ["TableRowwise", "TableColwise", "parallelize_tables", "exclude_tables_from_ddp", "dense_params",
-           "local_token_rows", "load_table_piece_", "table_placement", "shard_range", "PLACEMENTS"]
+           "local_token_rows", "join_table_lookup", "load_table_piece_", "table_placement", "shard_range",
+           "PLACEMENTS"]
 
 PLACEMENTS = ("row", "col")
 
@@ -310,6 +313,24 @@ def local_token_rows(layer_or_table, ids: torch.Tensor, dtype: torch.dtype | Non
     if reduce == "mean" and W > 1 and mine.requires_grad:
         mine.register_hook(lambda g: g / W)
     return mine.reshape(T, NH * D).to(dtype or mine.dtype)
+
+
+def join_table_lookup(layer) -> None:
+    """Take part in the table lookups of one layer step without tokens of your own (an idle serving rank).
+
+    With per-rank tokens (``input_layouts=Shard(0)``) every rank serves its own requests
+    from its own ``PLECache`` (no rank holds another's cache), but each lookup is a
+    collective: in a step where this rank has no request, call this once per PLE layer
+    where the others call ``layer.step`` (or ``layer(...)``).
+    """
+    table = layer.table
+    if getattr(table, "dtensor_tokens", None) != "sharded":
+        raise ValueError("layer: its table is not a DTensor with per-rank tokens (input_layouts=Shard(0)); "
+                         "with replicated tokens every rank runs every step")
+    dev = table.weight.to_local().device
+    with torch.no_grad():
+        local_token_rows(layer, torch.zeros((0, layer.config.num_ngram_heads), dtype=torch.int64, device=dev),
+                         reduce=table.dtensor_reduce)
 
 
 # ---- checkpoints --------------------------------------------------------------------------------------
