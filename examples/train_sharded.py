@@ -15,6 +15,7 @@ of the first and the last step; the loss must fall (exit status 1 if it does not
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -82,8 +83,11 @@ def main(argv=None) -> int:
         dist.all_reduce(mean)
         losses.append(float(mean) / world)
     t = model.ple.table.weight
+    piece, shape = tuple(model.ple.table.weight.to_local().shape), tuple(model.ple.table.weight.shape)
+    del model, opt, t, mesh                                  # the DTensors go before the process group does
+    gc.collect()
     if rank == 0:
-        print(f"{world} ranks, table {args.placement}-sharded ({tuple(t.to_local().shape)} of {tuple(t.shape)} "
+        print(f"{world} ranks, table {args.placement}-sharded ({piece} of {shape} "
               f"on rank 0), dense parameters under FSDP2")
         print(f"loss: step 1 {losses[0]:.3f} -> step {args.steps} {losses[-1]:.3f}")
     dist.destroy_process_group()

@@ -31,7 +31,7 @@ def _load_example(name):
 
 def test_train_sharded_runs_under_torchrun_and_learns():
     """The README's command: torchrun, 2 gloo ranks, the table a row-sharded DTensor, FSDP2; the loss falls."""
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(ROOT / "examples" / "train_sharded.py"), "--steps", "25"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
@@ -43,7 +43,7 @@ def test_train_sharded_runs_under_torchrun_and_learns():
 
 def test_serve_sharded_runs_under_torchrun_and_matches_the_whole_table():
     """Each of 2 gloo ranks serves its own requests from its own cache, idle steps included, bit for bit."""
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(ROOT / "examples" / "serve_sharded.py")],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})

@@ -329,8 +329,11 @@ def join_table_lookup(layer) -> None:
                          "with replicated tokens every rank runs every step")
     dev = table.weight.to_local().device
     with torch.no_grad():
-        local_token_rows(layer, torch.zeros((0, layer.config.num_ngram_heads), dtype=torch.int64, device=dev),
-                         reduce=table.dtensor_reduce)
+        rows = local_token_rows(layer, torch.zeros((0, layer.config.num_ngram_heads), dtype=torch.int64,
+                                                   device=dev), reduce=table.dtensor_reduce)
+        # DTensor's collectives are asynchronous until their result is used: use it, so none is left in flight
+        # (an unfinished one makes gloo abort at exit).
+        rows.sum()
 
 
 # ---- checkpoints --------------------------------------------------------------------------------------
