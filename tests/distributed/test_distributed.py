@@ -16,11 +16,8 @@ halo's byte bound, ``(W - 1) * S * C`` elements per layer call.
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
-import torch.distributed as dist
 
 import ple
 from ple.distributed import (
@@ -36,7 +33,8 @@ from ple.distributed import (
     sync_grads,
 )
 from ple.state import Decode, PLECache, Prefill, Spec
-from ple.testing.numerics import assert_bitwise_equal
+from ple.testing import spawned
+from ple.testing.spawned import close, expect, same_bits
 
 CONFIG = ple.PLEConfig.preset("tiny")          # C 48, S 9, N 3, NH 6, D 4, 6128 table rows
 CKPT_PREFIX = "model.layers.1.ple."
@@ -53,37 +51,6 @@ def make_layers(num_layers=1, *, seed=0, dtype=torch.float32):
                 p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(dtype) * 0.5)
         layers.append(layer)
     return layers
-
-
-_failures: list[str] | None = None
-"""Inside a spawned check, comparisons record failures here and carry on, so every rank still makes
-the same collective calls (a rank that raised mid-check would leave the others waiting)."""
-
-
-def expect(ok, msg):
-    if ok:
-        return
-    if _failures is None:
-        raise AssertionError(msg)
-    _failures.append(msg)
-
-
-def close(actual, expected, name, tol=1e-9):
-    """``|actual - expected| <= tol * (1 + |expected|)`` (torch.testing imports DTensor under dist: slow)."""
-    if actual is None or actual.shape != expected.shape or actual.dtype != expected.dtype:
-        desc = "None" if actual is None else f"{tuple(actual.shape)}/{actual.dtype}"
-        return expect(False, f"{name}: {desc} != {tuple(expected.shape)}/{expected.dtype}")
-    err = (actual.detach().double() - expected.detach().double()).abs()
-    bad = err > tol * (1 + expected.detach().double().abs())
-    if bad.any():
-        expect(False, f"{name}: {int(bad.sum())} of {bad.numel()} off, max error {float(err.max()):.3g}")
-
-
-def same_bits(actual, expected, name):
-    try:
-        assert_bitwise_equal(actual, expected, name=name)
-    except AssertionError as e:
-        expect(False, str(e))
 
 
 def total_bytes(comm: Comm, category: str) -> int:
@@ -396,21 +363,7 @@ CHECKS = {
 
 def run_checks(rank, world_size, names, ckpt_dir):
     """Every check in turn; a failing check is reported and the others still run."""
-    global _failures
-    out = {}
-    for name in names:
-        _failures = []
-        try:
-            CHECKS[name](rank, world_size, ckpt_dir)
-            out[name] = None
-        except Exception:  # noqa: BLE001 - reported per check by the tests below
-            out[name] = traceback.format_exc()
-        if _failures:
-            more = f"\n... and {len(_failures) - 5} more" if len(_failures) > 5 else ""
-            out[name] = (out[name] or "") + "\n".join(_failures[:5]) + more
-        _failures = None
-        dist.barrier()
-    return out
+    return spawned.run_checks(CHECKS, names, rank, world_size, ckpt_dir)
 
 
 # ---- the parent side ------------------------------------------------------------------------------

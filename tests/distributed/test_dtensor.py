@@ -16,11 +16,9 @@ D = 4 columns 2/2/0 (a rank with no columns); W = 4 splits both evenly.
 from __future__ import annotations
 
 import copy
-import traceback
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import ple
 from ple.distributed import (
@@ -32,27 +30,27 @@ from ple.distributed import (
     spawn,
 )
 from ple.distributed.dtensor import shard_range
+from ple.testing import spawned
+from ple.testing.spawned import expect
 
 CONFIG = ple.PLEConfig.preset("tiny")          # C 48, NH 6, D 4, 6128 table rows (PLE index 0)
 PLACEMENTS = ("row", "col")
-_failures: list[str] | None = None
-
-
-def expect(ok, msg):
-    if ok:
-        return
-    if _failures is None:
-        raise AssertionError(msg)
-    _failures.append(msg)
 
 
 def close(actual, expected, name, tol=1e-12):
-    if actual is None or actual.shape != expected.shape:
-        return expect(False, f"{name}: {None if actual is None else tuple(actual.shape)} != {tuple(expected.shape)}")
-    err = (actual.detach().double() - expected.detach().double()).abs()
-    bad = err > tol * (1 + expected.detach().double().abs())
-    if bad.any():
-        expect(False, f"{name}: {int(bad.sum())} of {bad.numel()} off, max error {float(err.max()):.3g}")
+    spawned.close(actual, expected, name, tol)
+
+
+def grads_match(layer, full, placement, W, rank, label=""):
+    """Every parameter gradient of ``layer`` (DTensor table, dense parameters plain or FSDP2's DTensors) against
+    one process's ``full``: the table's gradient piece for piece, the others whole."""
+    for (name, p), (_, q) in zip(layer.named_parameters(), full.named_parameters(), strict=True):
+        grad = p.grad
+        if name.endswith("ngram_embedding.weight"):
+            close(grad.to_local(), local_piece(q.grad, placement, W, rank), f"{placement}: {label}d table piece")
+        else:
+            grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+            close(grad, q.grad, f"{placement}: {label}d {name}")
 
 
 def make_layer(seed=0):
@@ -108,11 +106,7 @@ def check_replicated_tokens(rank, W, ckpt):
         expect(torch.equal(got, want), f"{placement}: output not bit for bit")
         (got * probe).sum().backward()
         close(h2.grad, h.grad, f"{placement}: d hidden")
-        for (name, p), (_, q) in zip(layer.named_parameters(), full.named_parameters(), strict=True):
-            if name.endswith("ngram_embedding.weight"):
-                close(p.grad.to_local(), local_piece(q.grad, placement, W, rank), f"{placement}: d table piece")
-            else:
-                close(p.grad, q.grad, f"{placement}: d {name}")
+        grads_match(layer, full, placement, W, rank)
 
 
 def check_serving_steps(rank, W, ckpt):
@@ -158,13 +152,7 @@ def _data_parallel(rank, W, wrap):
         model = wrap(layer, mesh)
         hidden, ids, probe = batches[rank]
         (model(hidden, ids) * probe).sum().backward()
-        for (name, p), (_, q) in zip(layer.named_parameters(), full.named_parameters(), strict=True):
-            grad = p.grad
-            if name.endswith("ngram_embedding.weight"):
-                close(grad.to_local(), local_piece(q.grad, placement, W, rank), f"{placement}: d table piece")
-            else:
-                grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
-                close(grad, q.grad, f"{placement}: d {name}")
+        grads_match(layer, full, placement, W, rank)
 
 
 def check_fsdp2_dense_params(rank, W, ckpt):
@@ -236,11 +224,7 @@ def check_sequence_parallel_on_the_mesh_without_host_syncs(rank, W, ckpt):
         sync_grads(layer, mesh)
         close(out, ref[lo:hi], f"{placement}: sp output")
         close(hk.grad, h.grad[lo:hi], f"{placement}: sp d hidden")
-        for (name, p), (_, q) in zip(layer.named_parameters(), full.named_parameters(), strict=True):
-            if name.endswith("ngram_embedding.weight"):
-                close(p.grad.to_local(), local_piece(q.grad, placement, W, rank), f"{placement}: sp d table piece")
-            else:
-                close(p.grad, q.grad, f"{placement}: sp d {name}")
+        grads_match(layer, full, placement, W, rank, "sp ")
 
 
 def check_serving_own_requests_only(rank, W, ckpt):
@@ -317,20 +301,7 @@ CHECKS = {f.__name__.removeprefix("check_"): f for f in (
 
 
 def run_checks(rank, world_size, names, ckpt):
-    global _failures
-    out = {}
-    for name in names:
-        _failures = []
-        try:
-            CHECKS[name](rank, world_size, ckpt)
-            out[name] = None
-        except Exception:  # noqa: BLE001 - reported per check by the tests below
-            out[name] = traceback.format_exc()
-        if _failures:
-            out[name] = (out[name] or "") + "\n".join(_failures[:5])
-        _failures = None
-        dist.barrier()
-    return out
+    return spawned.run_checks(CHECKS, names, rank, world_size, ckpt)
 
 
 # ---- the parent side -------------------------------------------------------------------------------------
