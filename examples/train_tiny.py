@@ -86,8 +86,9 @@ def main(argv=None) -> int:
     p.add_argument("--noise", type=float, default=0.1, help="chance a token breaks the rule (default: 0.1)")
     p.add_argument("--lr", type=float, default=3e-2, help="Adam learning rate (default: 0.03)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and data (default: 0)")
-    p.add_argument("--backend", choices=["reference", "triton", "auto"], default="reference",
-                   help="ops of the PLE layer (default: reference; triton on a CPU needs TRITON_INTERPRET=1)")
+    p.add_argument("--backend", choices=["reference", "torch", "triton", "auto"], default="auto",
+                   help="ops of the PLE layer (default: auto = Triton on CUDA, else torch; triton on a CPU "
+                        "needs TRITON_INTERPRET=1)")
     p.add_argument("--threads", type=int_at_least(0), default=1, help="torch CPU threads (default: 1)")
     args = p.parse_args(argv)
     if not 0 <= args.noise <= 1:

@@ -1,26 +1,28 @@
 """ple: the hashed n-gram embedding (PLE) layer of Qwen4Exp.
 
-* ``ple.reference``: eager PyTorch, the specification of every op.
+* ``ple.reference``: eager PyTorch, the specification of every op, written to be read.
+* ``ple.vectorized``: the ``"torch"`` backend, the same ops vectorised (sync-free, compile-friendly;
+  the CPU default).
 * ``ple.fast``: Triton kernels with the same names and signatures (imports Triton, so it
   loads on first use: ``ple.fast`` or ``import ple.fast``).
 * ``ple.state``: per-request conv-state caches and the step scheduler.
 * ``ple.io``: checkpoints in the model's safetensors layout.
 * ``ple.testing``: tolerances, strategies and checkers for testing kernels.
 * ``ple.table``: the n-gram table (dense, quantized, host-offloaded; sharded in ``ple.distributed``).
-* ``ple.PLELayer``: the layer, on either backend (``backend="reference" | "triton" | "auto"``).
+* ``ple.PLELayer``: the layer, on any backend (``backend="reference" | "torch" | "triton" | "auto"``).
 
-After a bare ``import ple``, ``ple.reference``, ``ple.state``, ``ple.io`` and
+After a bare ``import ple``, ``ple.reference``, ``ple.vectorized``, ``ple.state``, ``ple.io`` and
 ``ple.testing`` are usable as attributes (SPEC section 7); ``ple.fast`` and
 ``ple.distributed`` are imported when first used.
 """
 
 import importlib
 
-from . import io, reference, state, table, testing
+from . import io, reference, state, table, testing, vectorized
 from .config import PRESETS, PLEConfig
 from .layer import PLELayer
 
-__all__ = ["PLEConfig", "PRESETS", "PLELayer", "reference", "state", "io", "testing", "table"]
+__all__ = ["PLEConfig", "PRESETS", "PLELayer", "reference", "vectorized", "state", "io", "testing", "table"]
 __version__ = "0.1.0"
 
 _LAZY = ("fast", "distributed")

@@ -1,22 +1,90 @@
-"""The one switch between ``ple.reference`` and ``ple.fast``."""
+"""The one switch between the backends, and the one helper that gives a backend's ops the reference's face.
+
+Three op modules carry the names and signatures of SPEC section 7 (`OP_NAMES`):
+
+=============  =====================  ============================================================
+``backend=``   module                 what it is
+=============  =====================  ============================================================
+"reference"    ``ple.reference``      the specification: plain code written to be read (loops
+                                      where a loop says it best, host reads allowed); no speed or
+                                      compile promise
+"torch"        ``ple.vectorized``     the same math vectorised in eager PyTorch: no host reads in
+                                      a step, ``torch.compile(fullgraph=True)``-friendly; the CPU
+                                      default
+"triton"       ``ple.fast``           Triton kernels (``torch.library`` custom ops)
+"auto"         either of the two      ``"triton"`` where it runs compiled (Triton and a CUDA
+                                      device), else ``"torch"``
+=============  =====================  ============================================================
+
+`twin` is how a backend's public function takes the signature and docstring of its reference
+twin (both backends use it), so each is written once. An op module may also set two flags the
+layer reads (`traits`): ``FUSED_KV_PROJECTION`` (the layer makes one GEMM over the
+concatenated key and value weights) and ``CHECKS_VALUES_WHEN_COMPILED`` (its ops check index
+values inside a registered op, so a compiled layer may still ask them to).
+"""
 
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
+import inspect
 import os
+from collections.abc import Callable
 from types import ModuleType
+from typing import NamedTuple
 
 import torch
 
 __all__ = ["resolve_backend", "backend_module", "triton_available", "triton_compiled_available", "CustomOps",
-           "OP_NAMES"]
+           "OP_NAMES", "BACKENDS", "twin", "traits", "Traits"]
 
-BACKENDS = ("reference", "triton", "auto")
+BACKENDS = ("reference", "torch", "triton", "auto")
 
-OP_NAMES = ("ngram_ids", "embedding_lookup", "ple_gate", "ple_conv", "export_conv_checkpoints",
-            "dilated_causal_conv")
+_MODULES = {"reference": "ple.reference", "torch": "ple.vectorized", "triton": "ple.fast"}
+
+OP_NAMES = ("ngram_ids", "embedding_lookup", "ngram_embedding", "ple_gate", "ple_conv", "export_conv_checkpoints",
+            "dilated_causal_conv", "ple_prefill")
 """The ops a `PLELayer` calls (SPEC section 7); ``PLELayer(ops=...)`` needs each of them."""
+
+
+class Traits(NamedTuple):
+    """What the layer needs to know about an op module beyond its ops (see the module docstring)."""
+
+    fused_kv_projection: bool = False
+    checks_values_when_compiled: bool = False
+
+
+def traits(ops) -> Traits:
+    """The `Traits` an op module declares (``FUSED_KV_PROJECTION``, ``CHECKS_VALUES_WHEN_COMPILED``);
+    False where it declares nothing (a user's ``ops=`` object)."""
+    return Traits(bool(getattr(ops, "FUSED_KV_PROJECTION", False)),
+                  bool(getattr(ops, "CHECKS_VALUES_WHEN_COMPILED", False)))
+
+
+def twin(reference: Callable, *, guard: Callable | None = None) -> Callable[[Callable], Callable]:
+    """Decorator: the decorated public op takes ``reference``'s docstring and signature.
+
+    ``guard(name, args, kwargs)``, if given, runs before every call (``ple.fast`` refuses CPU
+    tensors there when its kernels are compiled).
+    """
+
+    def decorate(fn: Callable) -> Callable:
+        if guard is None:
+            call = functools.wraps(fn)(lambda *args, **kwargs: fn(*args, **kwargs))
+        else:
+            module = fn.__module__.rsplit(".", 1)[0]
+
+            @functools.wraps(fn)
+            def call(*args, **kwargs):
+                guard(f"{module}.{fn.__name__}", args, kwargs)
+                return fn(*args, **kwargs)
+
+        call.__doc__ = reference.__doc__
+        call.__signature__ = inspect.signature(reference)
+        return call
+
+    return decorate
 
 
 class CustomOps:
@@ -26,6 +94,7 @@ class CustomOps:
     The layer calls its ops with ``validate=False`` where it checked the values itself (SPEC section 7
     does not list ``validate``): a function that takes no ``validate`` keyword is called without it.
     Ops the layer does not call (``hash_params``, ``grouped_rms_norm``) come from ``ple.reference``.
+    The flags of `traits` are read from the object (default: two GEMMs, no value checks when compiled).
     """
 
     def __init__(self, ops):
@@ -36,6 +105,9 @@ class CustomOps:
         self.wrapped = ops
         for name in OP_NAMES:
             setattr(self, name, _drop_validate(getattr(ops, name)))
+        self.FUSED_KV_PROJECTION, self.CHECKS_VALUES_WHEN_COMPILED = traits(ops)
+        if callable(getattr(ops, "prefill_conv_inputs", None)):     # a fused prefill's own conv inputs (replay)
+            self.prefill_conv_inputs = ops.prefill_conv_inputs
         from . import reference
         self.hash_params, self.grouped_rms_norm = reference.hash_params, reference.grouped_rms_norm
 
@@ -44,7 +116,6 @@ class CustomOps:
 
 
 def _drop_validate(fn):
-    import inspect
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -77,29 +148,25 @@ def triton_compiled_available() -> bool:
 
 
 def resolve_backend(backend: str) -> tuple[str, ModuleType]:
-    """``"reference"``, ``"triton"`` or ``"auto"`` -> (the name picked, its op module)."""
+    """``"reference"``, ``"torch"``, ``"triton"`` or ``"auto"`` -> (the name picked, its op module)."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        backend = "triton" if triton_compiled_available() else "reference"
-    if backend == "triton":
-        if not triton_available():
-            raise ValueError("backend: 'triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 to run "
-                             "the kernels in the interpreter on the CPU)")
-        from . import fast
+        backend_module("torch")                  # a layer on "auto" with weights off CUDA runs this one
+        backend = "triton" if triton_compiled_available() else "torch"
+    if backend == "triton" and not triton_available():
+        raise ValueError("backend: 'triton' needs Triton and a CUDA device (or TRITON_INTERPRET=1 to run "
+                         "the kernels in the interpreter on the CPU)")
+    return backend, backend_module(backend)
 
-        return "triton", fast
-    from . import reference
 
-    return "reference", reference
+_LOADED: dict[str, ModuleType] = {}
 
 
 def backend_module(name: str) -> ModuleType:
-    """The op module of a resolved backend name (``"reference"`` or ``"triton"``), without re-checking."""
-    if name == "triton":
-        from . import fast
-
-        return fast
-    from . import reference
-
-    return reference
+    """The op module of a resolved backend name (``"reference"``, ``"torch"`` or ``"triton"``), without
+    re-checking. Imported once (then a dict lookup, which ``torch.compile`` traces)."""
+    module = _LOADED.get(name)
+    if module is None:
+        module = _LOADED[name] = importlib.import_module(_MODULES[name])
+    return module

@@ -61,8 +61,8 @@ def _parser(sub) -> None:
                    help="speculative tokens per step, 0 for none (default: 3)")
     p.add_argument("--layers", type=int_at_least(1, MAX_LAYERS), default=2,
                    help=f"PLE layers stacked, 1..{MAX_LAYERS} (default: 2)")
-    p.add_argument("--backend", choices=["auto", "reference", "triton"], default="auto",
-                   help="ops to run on (default: auto = Triton on CUDA, else the reference; triton on a CPU "
+    p.add_argument("--backend", choices=["auto", "reference", "torch", "triton"], default="auto",
+                   help="ops to run on (default: auto = Triton on CUDA, else torch; triton on a CPU "
                         "needs TRITON_INTERPRET=1)")
     p.add_argument("--threads", type=int_at_least(0), default=1,
                    help="CPU threads for torch (default: 1, fastest at these sizes; 0 = torch's default)")

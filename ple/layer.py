@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _checks
-from .backends import CustomOps, backend_module, resolve_backend, triton_compiled_available
+from .backends import CustomOps, backend_module, resolve_backend, traits, triton_compiled_available
 from .config import PLEConfig
 from .offload import start_prefetch as _start_prefetch
 from .reference.hashing import HashParams, hash_params
@@ -115,18 +115,28 @@ class PLELayer(nn.Module):
     ``layer.step(hidden_states, batch, cache)`` runs one serving step against a
     ``ple.state.PLECache``.
 
-    ``backend`` picks the ops: ``"reference"`` (``ple.reference``), ``"triton"``
-    (``ple.fast``) or ``"auto"`` (Triton where it runs compiled, i.e. when the layer's
-    weights are on a CUDA device and Triton is installed; the reference elsewhere, so
-    moving the layer with ``.to()`` moves the choice with it). ``layer.backend`` says
-    which is in use; it can be changed with ``layer.set_backend``.
+    ``backend`` picks the ops (``ple.backends``): ``"reference"`` (``ple.reference``, the
+    specification, written to be read), ``"torch"`` (``ple.vectorized``: the same math
+    vectorised, sync-free and ``torch.compile``-friendly), ``"triton"`` (``ple.fast``) or
+    ``"auto"`` (Triton where it runs compiled, i.e. when the layer's weights are on a CUDA
+    device and Triton is installed; ``"torch"`` elsewhere, so moving the layer with ``.to()``
+    moves the choice with it). ``layer.backend`` says which is in use; it can be changed with
+    ``layer.set_backend``.
+
+    Every backend runs the same composition, op by op (`forward`, `step`): ``ngram_embedding``
+    (or ``ngram_ids`` then the table's lookup, for a table that is not a plain dense one in the
+    tokens' memory), the key and value projections, then ``ple_prefill`` for whole requests;
+    a serving step with decodes, spec rows or prefix checkpoints runs ``ple_gate``, one
+    ``ple_conv`` per mode and ``export_conv_checkpoints`` instead. Nothing branches on the
+    backend's name.
 
     ``ops`` runs the layer on your own ops instead: any object with the op names of
-    ``ple.backends.OP_NAMES`` (``ngram_ids``, ``embedding_lookup``, ``ple_gate``, ``ple_conv``,
-    ``export_conv_checkpoints``, ``dilated_causal_conv``), each with the signature of its
-    ``ple.reference`` twin, e.g. a module of kernels under test (``ple.testing.check_layer``
-    checks such a layer whole). ``layer.backend`` is then ``"custom"``; ``set_backend`` goes
-    back to a built-in backend.
+    ``ple.backends.OP_NAMES`` (``ngram_ids``, ``embedding_lookup``, ``ngram_embedding``,
+    ``ple_gate``, ``ple_conv``, ``export_conv_checkpoints``, ``dilated_causal_conv``,
+    ``ple_prefill``), each with the signature of its ``ple.reference`` twin, e.g. a module of
+    kernels under test (``ple.testing.check_layer`` checks such a layer whole, fused entry
+    points included). ``layer.backend`` is then ``"custom"``; ``set_backend`` goes back to a
+    built-in backend.
 
     ``sparse_table_grad=True`` makes the table's gradient a sparse tensor of the rows looked
     up (use an optimizer that takes sparse gradients, e.g. ``torch.optim.SparseAdam``); its
@@ -180,18 +190,19 @@ class PLELayer(nn.Module):
 
     @property
     def backend(self) -> str:
-        """The backend in use: ``"reference"``, ``"triton"`` (``"auto"`` decides by the weights' device), or
-        ``"custom"`` (``PLELayer(ops=...)``)."""
+        """The backend in use: ``"reference"``, ``"torch"``, ``"triton"`` (``"auto"`` decides by the weights'
+        device), or ``"custom"`` (``PLELayer(ops=...)``)."""
         if self._custom_ops is not None:
             return "custom"
         if self._backend_request == "auto":
             on_cuda = self.key_proj.weight.is_cuda
-            return "triton" if on_cuda and triton_compiled_available() else "reference"
+            return "triton" if on_cuda and triton_compiled_available() else "torch"
         return self._backend_request
 
     @property
     def ops(self) -> ModuleType | CustomOps:
-        """The ops in use: ``ple.reference``, ``ple.fast``, or the `CustomOps` of ``PLELayer(ops=...)``."""
+        """The ops in use: ``ple.reference``, ``ple.vectorized``, ``ple.fast``, or the `CustomOps` of
+        ``PLELayer(ops=...)``."""
         if self._custom_ops is not None:
             return self._custom_ops
         return backend_module(self.backend)
@@ -229,16 +240,16 @@ class PLELayer(nn.Module):
                     ngram_context: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
         """The table rows of ``[T]`` tokens' n-grams, ``[T, E]`` in ``dtype``: `ngram_ids` then `embed`.
 
-        On the Triton backend with a plain dense table in the tokens' memory (not quantized,
-        sharded, offloaded, with a sparse gradient, or a prefetch pending) this is one kernel,
-        ``ple.fast.ngram_embedding``: the ids are hashed and the rows gathered without writing
-        the ids to memory (bit for bit the same rows; its backward hashes again).
+        With a plain dense table in the tokens' memory (not quantized, sharded, offloaded, with a
+        sparse gradient, or a prefetch pending) this is the backend's ``ngram_embedding`` (on
+        ``ple.fast`` one kernel: the ids are hashed and the rows gathered without writing the ids
+        to memory; bit for bit the same rows); any other table is asked for the rows of the ids.
         """
         cfg = self.config
         kw = dict(heads_per_ngram=cfg.heads_per_ngram, eos_token_id=cfg.eos_token_id,
                   query_start_loc=query_start_loc, ngram_context=ngram_context)
         t = self.table
-        if (self.backend == "triton" and type(t) is DenseTable and not t.sparse_grad and t.pending_prefetch is None
+        if (type(t) is DenseTable and not t.sparse_grad and t.pending_prefetch is None
                 and not t.is_dtensor and t.weight.device == input_ids.device):
             return self.ops.ngram_embedding(t.weight, input_ids, self.ple_embedding.hash_params(), **kw,
                                             validate=validate).to(dtype)
@@ -260,13 +271,14 @@ class PLELayer(nn.Module):
     def project(self, embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T, E]`` embeddings -> ``(key [T, C], value [T, H])``.
 
-        The reference backend makes the model's two GEMMs (``key_proj``, then ``value_proj``),
-        so its bits are the model's. The Triton backend makes one GEMM over the concatenated
-        ``[C + H, E]`` weight (`kv_weight`) and returns two column views of its ``[T, C + H]``
-        result (the gate reads them through their strides): the embeddings are read once and
+        By default (``ple.reference``, ``ple.vectorized``) the model's two GEMMs (``key_proj``, then
+        ``value_proj``), so the bits are the model's. An op module that declares
+        ``FUSED_KV_PROJECTION`` (``ple.fast``, see ``ple.backends.traits``) gets one GEMM over the
+        concatenated ``[C + H, E]`` weight (`kv_weight`) and two column views of its ``[T, C + H]``
+        result (its gate reads them through their strides): the embeddings are read once and
         one GEMM is launched instead of two.
         """
-        if self.backend != "triton":
+        if not traits(self.ops).fused_kv_projection:
             return F.linear(embeddings, self.key_proj.weight), F.linear(embeddings, self.value_proj.weight)
         kv = F.linear(embeddings, self.kv_weight())                 # [T, C + H], key columns first
         C = self.config.hc_hidden_size
@@ -319,12 +331,13 @@ class PLELayer(nn.Module):
         token hashes as EOS and its gated value and conv input are zeroed before the
         convolution (so left or right padding does not leak into real tokens).
 
-        On the Triton backend the gate, the mask, the conv and both adds run as one kernel
-        (``ple.fast.ple_prefill``, property-tested against their reference composition).
+        On every backend the gate, the mask, the conv and both adds are one op, ``ple_prefill``
+        (``ple.fast`` runs it as one kernel); with ``return_intermediates`` they run op by op
+        (``ple_gate``, the mask, ``dilated_causal_conv``, the adds) so each value can be returned.
 
-        Under ``torch.compile`` on the reference backend the range check of ``input_ids``
-        (a read of their values) is skipped, so the graph has no break; eager calls and
-        the Triton backend always check it.
+        The token range of ``input_ids`` is a read of their values: eager calls always check it;
+        under ``torch.compile`` only backends that check inside a registered op
+        (``CHECKS_VALUES_WHEN_COMPILED``: ``ple.fast``) do, so the graph has no break.
         """
         self._check_hidden(hidden_states, 3)
         B, L, C = hidden_states.shape  # batch, length, channels (hc_count * hidden_size)
@@ -340,35 +353,30 @@ class PLELayer(nn.Module):
             keep = attention_mask != 0                            # non-zero keeps, as in transformers
             input_ids = torch.where(keep, input_ids, torch.full_like(input_ids, eos))
         query_start_loc = torch.arange(B + 1, device=dev, dtype=torch.int64) * L
-        # The token range of input_ids is a value check (a host read); the fast ops make it inside their
-        # registered op, at run time; a compiled reference graph skips it (see the docstring).
-        check_values = self.backend == "triton" or not torch.compiler.is_compiling()
-        if return_intermediates:
-            ids = self.ops.ngram_ids(input_ids.reshape(B * L), self.ple_embedding.hash_params(),
-                                      heads_per_ngram=self.config.heads_per_ngram, eos_token_id=eos,
-                                      query_start_loc=query_start_loc, validate=check_values)
-            emb = self.embed(ids, hidden_states.dtype, validate=False)   # [B*L, E]; ids of our own hash
-        else:
+        check_values = traits(self.ops).checks_values_when_compiled or not torch.compiler.is_compiling()
+        flat = hidden_states.reshape(B * L, C)
+        if not return_intermediates:
             emb = self.hashed_rows(input_ids.reshape(B * L), hidden_states.dtype, query_start_loc=query_start_loc,
                                    validate=check_values)
-        key, value = self.project(emb)
-        if self.backend == "triton" and not return_intermediates:   # the fused gate + conv + adds
-            out = self.ops.ple_prefill(key, value, hidden_states.reshape(B * L, C), self.norm_key.weight,
-                                       self.norm_query.weight, self.norm_conv.weight, self.config.rms_norm_eps,
-                                       self.conv_weights, dilation=self.config.conv_dilation,
-                                       query_start_loc=query_start_loc,
+            key, value = self.project(emb)
+            out = self.ops.ple_prefill(key, value, flat, self.norm_key.weight, self.norm_query.weight,
+                                       self.norm_conv.weight, self.config.rms_norm_eps, self.conv_weights,
+                                       dilation=self.config.conv_dilation, query_start_loc=query_start_loc,
                                        keep=None if keep is None else keep.reshape(B * L), validate=False)
             return out.reshape(B, L, C)
-        gated, conv_input = self.ops.ple_gate(key, value, hidden_states.reshape(B * L, C), self.norm_key.weight,
-                                              self.norm_query.weight, self.norm_conv.weight, self.config.rms_norm_eps)
+        ids = self.ops.ngram_ids(input_ids.reshape(B * L), self.ple_embedding.hash_params(),
+                                 heads_per_ngram=self.config.heads_per_ngram, eos_token_id=eos,
+                                 query_start_loc=query_start_loc, validate=check_values)
+        emb = self.embed(ids, hidden_states.dtype, validate=False)   # [B*L, E]; ids of our own hash
+        key, value = self.project(emb)
+        gated, conv_input = self.ops.ple_gate(key, value, flat, self.norm_key.weight, self.norm_query.weight,
+                                              self.norm_conv.weight, self.config.rms_norm_eps)
         if keep is not None:
             mask = keep.reshape(B * L, 1).to(gated.dtype)
             gated, conv_input = gated * mask, conv_input * mask
         y = self.ops.dilated_causal_conv(conv_input.reshape(B, L, C), self.conv_weights,
                                           dilation=self.config.conv_dilation)
         out = (gated.reshape(B, L, C) + y) + hidden_states
-        if not return_intermediates:
-            return out
         from .reference.gate import stream_scores
         cfg = self.config
         scores, gates = stream_scores(key, hidden_states.reshape(B * L, C), self.norm_key.weight,
@@ -382,11 +390,13 @@ class PLELayer(nn.Module):
         """One serving step: ``[T, C]`` rows of ``batch`` (from ``cache.schedule``) -> ``[T, C]``.
 
         See ``ple.state`` for the cache; the outputs equal ``forward`` over each
-        request's whole accepted sequence.
+        request's whole accepted sequence. The step itself is ``ple.state.step.layer_step``, reached
+        through the cache (``cache.run_layer_step``), so this module does not import ``ple.state``.
         """
-        from .state.step import layer_step
-
-        return layer_step(self, hidden_states, batch, cache)
+        run = getattr(cache, "run_layer_step", None)
+        if not callable(run):
+            raise TypeError(f"cache: expected a ple.state.PLECache, got {type(cache).__name__}")
+        return run(self, hidden_states, batch)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -1,9 +1,9 @@
 """Every documented error (SPEC section 9): the right exception, naming the argument, nothing modified.
 
 Bad calls are tables of one change each to a valid call; the valid call itself is
-run first so that each failure comes from the change alone. Every case runs on both
-backends (``ops`` is ``ple.reference`` or ``ple.fast``, the latter with Triton, under the
-interpreter without a GPU).
+run first so that each failure comes from the change alone. Every case runs on every
+backend (``ops`` is ``ple.reference``, ``ple.vectorized`` or ``ple.fast``, the latter with Triton,
+under the interpreter without a GPU).
 """
 
 from __future__ import annotations
@@ -13,25 +13,22 @@ import torch
 
 import ple.reference
 from ple import PLEConfig, PLELayer
+from ple.backends import backend_module
 from ple.reference import hash_params
 from ple.testing.numerics import assert_bitwise_equal
 
-BACKENDS = [pytest.param("reference", id="reference"),
+BACKENDS = [pytest.param("reference", id="reference"), pytest.param("torch", id="torch"),
             pytest.param("triton", id="fast", marks=pytest.mark.interpreter)]
 
 
 @pytest.fixture(params=BACKENDS)
 def ops(request):
-    """The op module of a backend: ``ple.reference`` or ``ple.fast``."""
-    if request.param == "triton":
-        from ple import fast
-
-        return fast
-    return ple.reference
+    """The op module of a backend: ``ple.reference``, ``ple.vectorized`` or ``ple.fast``."""
+    return backend_module(request.param)
 
 
 def backend_name(ops) -> str:
-    return "reference" if ops is ple.reference else "triton"
+    return {"ple.reference": "reference", "ple.vectorized": "torch", "ple.fast": "triton"}[ops.__name__]
 
 C, K, D = 5, 3, 2  # channels, taps, dilation
 S = (K - 1) * D  # 4

@@ -231,7 +231,7 @@ def test_empty_batches(B, L):
 
 def test_backend_auto_picks_what_can_run():
     layer = PLELayer(TINY, backend="auto")
-    assert layer.backend == ("triton" if triton_compiled_available() else "reference")
+    assert layer.backend == ("triton" if triton_compiled_available() else "torch")
     assert PLELayer(TINY).backend == "reference"
 
 
@@ -357,7 +357,7 @@ def test_layer_bfloat16_close_to_its_float64_run(seed, L):
     assert err <= 2**-5 * exact.abs().max().item() + 2**-6, f"max error {err:.3g}"
 
 
-@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("backend", ["reference", "torch", pytest.param("triton", marks=pytest.mark.interpreter)])
 def test_sparse_table_gradient_equals_dense(backend):
     config = ple.PLEConfig.preset("tiny")
     torch.manual_seed(0)
@@ -387,5 +387,5 @@ def test_sparse_table_gradient_equals_dense(backend):
 
 def test_auto_backend_follows_the_weights_device():
     layer = PLELayer(PLEConfig.preset("tiny"), backend="auto")
-    assert layer.backend == "reference"          # CPU weights: the reference, even where CUDA exists
-    assert layer.ops is ple.reference
+    assert layer.backend == "torch"              # CPU weights: the torch backend, even where CUDA exists
+    assert layer.ops is ple.vectorized

@@ -19,6 +19,7 @@ import random
 
 import pytest
 import torch
+from _tier import examples
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
@@ -45,10 +46,11 @@ def _replay(layers, config, seed, num_requests=4):
         return replay(layers, cache, script, generator=torch.Generator().manual_seed(seed))
 
 
-@settings(max_examples=10, deadline=None)
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+@settings(max_examples=examples(4), deadline=None)
 @given(config=pst.configs(max_hidden=40, max_hc=3), seed=pst.seeds())
-def test_reference_serving_equals_forward_bit_for_bit(config, seed):
-    layers = _layers(config, "reference", seed)
+def test_serving_equals_forward_bit_for_bit(backend, config, seed):
+    layers = _layers(config, backend, seed)
     check_replay(layers, _replay(layers, config, seed), rtol=0, atol=0)
 
 
@@ -63,22 +65,23 @@ def _forward_inputs(config, seed):
     return hidden, ids, mask
 
 
-@pytest.mark.interpreter
-@settings(max_examples=2, deadline=None)
+@pytest.mark.parametrize("backend", ["torch",
+                                     pytest.param("triton", marks=pytest.mark.interpreter)])
+@settings(max_examples=examples(1), deadline=None)
 @given(config=pst.configs(max_hidden=16, max_hc=3), seed=pst.seeds(), masked=st.booleans())
-def test_kernels_equal_reference_bit_for_bit(config, seed, masked):
-    """Forward (with padding) and a serving replay: Triton layer == reference layer, bfloat16 bits;
-    and the Triton layer's serving equals its own forward."""
-    note(dict(C=config.hc_hidden_size, K=config.ple_conv_kernel_size, seed=seed))
-    ref_layers, fast_layers = _layers(config, "reference", seed), _layers(config, "triton", seed)
+def test_backend_equals_reference_bit_for_bit(backend, config, seed, masked):
+    """Forward (with padding) and a serving replay: the backend's layer == reference layer, bfloat16 bits;
+    and the backend's serving equals its own forward."""
+    note(dict(backend=backend, C=config.hc_hidden_size, K=config.ple_conv_kernel_size, seed=seed))
+    ref_layers, fast_layers = _layers(config, "reference", seed), _layers(config, backend, seed)
     hidden, ids, mask = _forward_inputs(config, seed)
     with torch.no_grad():
         want = ref_layers[0](hidden, ids, mask if masked else None)
         got = fast_layers[0](hidden, ids, mask if masked else None)
-    assert_bitwise_equal(got, want, name="Triton forward vs reference forward (bfloat16)")
+    assert_bitwise_equal(got, want, name=f"{backend} forward vs reference forward (bfloat16)")
     ref_run, fast_run = _replay(ref_layers, config, seed, 2), _replay(fast_layers, config, seed, 2)
     for rid, outs in ref_run.outputs.items():
         if outs:
             assert_bitwise_equal(torch.cat(fast_run.outputs[rid]), torch.cat(outs),
-                                 name=f"Triton serving vs reference serving, request {rid} (bfloat16)")
+                                 name=f"{backend} serving vs reference serving, request {rid} (bfloat16)")
     check_replay(fast_layers, fast_run, rtol=0, atol=0)

@@ -16,7 +16,7 @@ from ple.testing.layers import random_layer
 from ple.testing.numerics import assert_bitwise_equal
 
 TINY = PLEConfig.preset("tiny")
-BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.interpreter)]
+BACKENDS = ["reference", "torch", pytest.param("triton", marks=pytest.mark.interpreter)]
 
 
 def test_bare_import_exposes_the_documented_subpackages():

@@ -22,12 +22,19 @@ from .conv import export_conv_checkpoints, ple_conv
 from .embedding import embedding_lookup
 from .gate import ple_gate
 from .hashing import ngram_embedding, ngram_ids
-from .prefill import ple_prefill
+from .prefill import ple_prefill, prefill_conv_inputs
 from .training_conv import dilated_causal_conv
 
 __all__ = [
     "HashParams", "hash_params", "splitmix64", "ngram_ids", "embedding_lookup", "grouped_rms_norm",
     "ple_gate", "ple_conv", "export_conv_checkpoints", "dilated_causal_conv",
     "ple_prefill",      # gate, mask, conv, silu and both residual adds in one pass (reference: their composition)
-    "ngram_embedding",  # extra of ple.fast: hash + gather in one kernel
+    "ngram_embedding",  # hash + gather in one kernel (reference: their composition)
+    "prefill_conv_inputs",  # the conv inputs ple_prefill's state kernel writes (the serving replay's oracle)
 ]
+
+FUSED_KV_PROJECTION = True
+"""The layer projects with one GEMM over ``cat([key_proj.weight, value_proj.weight])`` (``PLELayer.project``)."""
+
+CHECKS_VALUES_WHEN_COMPILED = True
+"""The value checks run inside the registered ops, at run time, so a compiled graph keeps them."""

@@ -11,12 +11,12 @@ compiled (`check_runnable`: a clear ``ValueError`` instead of Triton's "0 active
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
 from collections.abc import Callable
 
 import torch
+
+from ..backends import twin as _twin
 
 __all__ = ["register", "twin", "INTERPRETED", "check_runnable"]
 
@@ -56,16 +56,6 @@ def register(name: str, impl: Callable, *, fake: Callable, mutates_args=(), back
 
 
 def twin(reference: Callable) -> Callable[[Callable], Callable]:
-    """Decorator: the decorated public function takes ``reference``'s docstring and signature."""
-
-    def decorate(fn: Callable) -> Callable:
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            check_runnable(f"ple.fast.{fn.__name__}", args, kwargs)
-            return fn(*args, **kwargs)
-
-        call.__doc__ = reference.__doc__
-        call.__signature__ = inspect.signature(reference)
-        return call
-
-    return decorate
+    """``ple.backends.twin`` with `check_runnable` as its guard: the public op takes ``reference``'s docstring
+    and signature, and refuses CPU tensors while the kernels are compiled."""
+    return _twin(reference, guard=check_runnable)

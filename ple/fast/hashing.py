@@ -46,9 +46,9 @@ import triton
 import triton.language as tl
 
 from .. import _checks
-from ..reference import hashing as _reference
+from .. import reference as _reference
 from ..reference.hashing import HashParams
-from ._library import check_runnable, register, twin
+from ._library import register, twin
 from ._numerics import pow2_block
 from .embedding import _lookup_bwd
 
@@ -274,19 +274,10 @@ _ngram_embedding_op = register("ngram_embedding", _ngram_embedding_impl, fake=_n
                                backward=_ngram_embedding_backward, setup_context=_ngram_embedding_setup)
 
 
+@twin(_reference.ngram_embedding)
 def ngram_embedding(weight: torch.Tensor, input_ids: torch.Tensor, params: HashParams, *,
                     heads_per_ngram: int, eos_token_id: int, query_start_loc: torch.Tensor | None = None,
                     ngram_context: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
-    """Hash and gather in one kernel: ``[T, NH * D]`` in ``weight``'s dtype.
-
-    An extra of ``ple.fast`` (no reference twin): equal, bit for bit, to
-    ``embedding_lookup(weight, ngram_ids(input_ids, params, ...))``, without writing the
-    ``[T, NH]`` ids to memory (the backward hashes again to scatter the gradient by id).
-    ``weight`` is the table ``[rows, D]``; every row the hash can address,
-    ``head_offsets[-1] + head_sizes[-1]``, must exist. ``validate=False`` skips the value checks
-    (token ids, offsets, table rows): no device-to-host synchronisation, the caller vouches for them.
-    """
-    check_runnable("ple.fast.ngram_embedding", (weight, input_ids), {})
     _checks.ngram_meta(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context,
                        weight=weight)
     return _ngram_embedding_op(weight, input_ids, params.multipliers, params.head_sizes, params.head_offsets,

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import _checks
-from ..backends import resolve_backend
+from ..backends import resolve_backend, traits
 from ..config import PLEConfig
 from ..layer import PLELayer
 
@@ -145,7 +145,7 @@ class TransformersPLELayer(PLELayer):
             keep = (conv_mask != 0).reshape(B * L, 1)
         context = self._ngram_context(input_ids, cache)
         query_start_loc = torch.arange(B + 1, device=dev, dtype=torch.int64) * L
-        check_values = self.backend == "triton" or not torch.compiler.is_compiling()
+        check_values = traits(self.ops).checks_values_when_compiled or not torch.compiler.is_compiling()
         emb = self.hashed_rows(input_ids.reshape(B * L), hidden_states.dtype, query_start_loc=query_start_loc,
                                ngram_context=context, validate=check_values)
         key, value = self.project(emb)

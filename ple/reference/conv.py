@@ -1,25 +1,26 @@
-"""The dilated depthwise causal convolution of a serving step (SPEC sections 5 and 6).
+"""The dilated depthwise causal convolution of a serving step (SPEC sections 5 and 6), as the specification.
 
-For one request with conv inputs ``u`` (``[L, C]``) and history ``hist`` (the S
-inputs before them, oldest first, then ``u``)::
+For one request with conv inputs ``u`` (``[q, C]``) and history ``hist`` (the S inputs before
+them, oldest first, then ``u``)::
 
     y_t = silu( sum_{j=0..K-1} w[:, j] * hist[S + t - (K-1-j) * d] )      S = (K-1) * d
 
-``w[:, K-1]`` is the tap on the current token. Two entry points here (the training
-path, ``dilated_causal_conv``, is in ``training_conv``):
+``w[:, K-1]`` is the tap on the current token. Two entry points here (the training path,
+``dilated_causal_conv``, is in ``training_conv``):
 
-* ``ple_conv``: one serving step of prefill, decode or spec rows, reading and
-  writing per-request conv states in place, adding ``y`` (and ``outer_residual``)
-  into ``residual``.
+* ``ple_conv``: one serving step of prefill, decode or spec rows, reading and writing
+  per-request conv states in place, adding ``y`` (and ``outer_residual``) into ``residual``.
 * ``export_conv_checkpoints``: copy the S inputs before a position into a slot.
 
-Both are vectorised over requests and read index values only on the device (each
-logical row finds its request with ``torch.searchsorted`` on ``query_start_loc``),
-so with ``validate=False`` they turn no tensor into a Python value and trace under
-``torch.compile(fullgraph=True)``.
+Written to be read, in the manner of causal-conv1d's ``causal_conv1d_ref``: a Python loop over
+the requests that reads the index tensors on the host (``.tolist()``), builds each request's
+``hist`` and applies the formula above. It is therefore neither sync-free nor
+``torch.compile``-friendly; ``ple.vectorized`` (the ``"torch"`` backend) computes the same bits
+with device-side index arithmetic, and ``ple.fast`` with Triton kernels.
 
-Rounding follows the model: the tap sum is accumulated in float32 and rounded to
-the input dtype, then silu, rounded; each residual add is rounded.
+Rounding points (SPEC section 8), the model's: the tap sum is accumulated in ``acc_dtype``
+(float32; float64 for float64 inputs) in tap order and rounded to the input dtype, silu is
+computed in ``acc_dtype`` and rounded, and each residual add is rounded.
 """
 
 from __future__ import annotations
@@ -33,48 +34,23 @@ from .gate import acc_dtype
 __all__ = ["ple_conv", "export_conv_checkpoints"]
 
 
-def _row_requests(query_start_loc: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per logical row: its request and the request's first row (``query_start_loc`` ``[R+1]``, on the device)."""
-    qsl = query_start_loc.to(torch.int64)
-    rows = torch.arange(num_rows, device=qsl.device)
-    req = torch.searchsorted(qsl[1:], rows, right=True).clamp(max=max(qsl.numel() - 2, 0))
-    return req, qsl[req]
+def conv_sums(hist: torch.Tensor, weight: torch.Tensor, dilation: int) -> torch.Tensor:
+    """The tap sums of the last ``q`` rows of ``hist`` (``[S + q, C]``), before silu: ``[q, C]``.
 
-
-def _read_windows(conv_state: torch.Tensor, slots: torch.Tensor, owns: torch.Tensor, width: int,
-                  null_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each request's slot to read and write, and its columns ``[0, width)`` as ``[R, width, C]`` (raw bits).
-
-    The write has a fixed shape, so every request has a slot: an owner (``owns``: its slots
-    are distinct) its own, every other request a stand-in ``z``, the null slot when it
-    lies in ``[0, num_slots)``, else slot 0; see `_write_windows`.
+    ``sum_j w[:, j] * hist[S + t - (K-1-j) * d]`` (SPEC section 5), in the dtype of ``hist`` and
+    ``weight`` (the callers pass both in ``acc_dtype`` and round the result). Autograd flows
+    through it (``dilated_causal_conv`` uses it too).
     """
-    z = null_slot if 0 <= null_slot < conv_state.shape[0] else 0
-    target = torch.where(owns, slots, z)
-    if conv_state.shape[0] == 0:                        # no slots: every request is on the null slot
-        return target, conv_state.new_zeros(slots.numel(), conv_state.shape[1], width).transpose(1, 2)
-    return target, conv_state[target[:, None], :, torch.arange(width, device=slots.device)]
-
-
-def _write_windows(conv_state: torch.Tensor, target: torch.Tensor, owns: torch.Tensor, new: torch.Tensor,
-                   null_slot: int) -> None:
-    """``conv_state[target[r], :, c] = new[r, c]`` for ``c < width``: owners' new windows, no other bit changed.
-
-    ``target`` and ``new`` (``[R, width, C]``, state dtype) come from `_read_windows`, with
-    every non-owner's ``new`` the window it read. Those rewrite the stand-in ``z`` with the
-    bits it had: its own, unless (``z`` = slot 0 standing in for an out-of-range null slot)
-    an owner writes it, then that owner's. Rewriting a slot's own bits changes nothing, so
-    the null slot's bits are unchanged.
-    """
-    R, width = new.shape[:2]
-    num_slots = conv_state.shape[0]
-    if R == 0 or width == 0 or num_slots == 0:
-        return
-    if not 0 <= null_slot < num_slots:
-        hit = owns & (target == 0)                                            # at most one owner of slot 0
-        z_final = torch.where(hit.any(), new[hit.to(torch.int8).argmax()], new[(~owns).to(torch.int8).argmax()])
-        new = torch.where(owns[:, None, None], new, z_final)
-    conv_state[target[:, None], :, torch.arange(width, device=target.device)] = new
+    K = weight.shape[1]
+    S = (K - 1) * dilation
+    q = hist.shape[0] - S
+    # SPEC 8: accumulated from zero in tap order j = 0..K-1 (a product, then a sum, each rounded to the
+    # acc dtype), as the model's conv does; another order would change the float32 bits.
+    out = hist.new_zeros(q, hist.shape[1])
+    for j in range(K):
+        lag = (K - 1 - j) * dilation                # tap j reads the input `lag` steps back
+        out = out + weight[:, j] * hist[S - lag : S - lag + q]
+    return out
 
 
 def ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Tensor,
@@ -88,112 +64,88 @@ def ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Ten
     Shapes: ``inputs``, ``residual``, ``outer_residual``: ``[T, C]`` (physical rows);
     ``conv_state``: ``[num_slots, C, W]``, any strides, ``W >= S`` (``S + spec_query_len - 1``
     for spec); ``conv_weights``: ``[C, K]``; ``state_indices``: ``[R]``, any stride.
-    Logical row i of the call is physical row ``token_indices[i]`` (identity if None).
+    Logical row i of the call is physical row ``token_indices[i]`` (identity if None); physical
+    rows no logical row maps to are left alone.
 
-    Modes (SPEC section 6):
+    For request r on slot ``state_indices[r]`` with q rows ``x`` (its logical rows, cut by
+    ``query_start_loc``), the step reads a history ``hist = (S old columns) ++ x``, gives each
+    row ``y_t = silu(sum_j w[:, j] * hist[S + t - (K-1-j) * d])`` and then rewrites the slot's
+    first columns from ``hist``. Modes (SPEC section 6):
 
     * ``"prefill"``: requests cut by ``query_start_loc`` (``[R+1]``, logical rows);
-      ``has_initial_states[r]`` (default: all False, i.e. new sequences) says whether
-      the slot's columns ``[0, S)`` are the request's history or zeros are. After the
-      call, columns ``[0, S)`` hold the last S inputs of the history. Empty requests
-      change nothing.
+      the old columns are the slot's ``[0, S)`` where ``has_initial_states[r]`` (default: all
+      False, i.e. new sequences), zeros otherwise. Afterwards columns ``[0, S)`` hold the last
+      S columns of ``hist``. Empty requests change nothing.
     * ``"decode"``: one row per request (logical row r is request r; ``query_start_loc``
-      may be given, as ``[0, 1, ..., R]``); ``has_initial_states`` defaults to all True.
-    * ``"spec"``: 1..``spec_query_len`` rows per request; the history is columns
-      ``[o, o + S)`` with ``o = num_accepted_tokens[r] - 1``, always read; afterwards
-      columns ``[0, S + q - 1)`` hold the history without its first column.
+      may be given, as ``[0, 1, ..., R]``); as prefill, but ``has_initial_states`` defaults
+      to all True.
+    * ``"spec"``: 1..``spec_query_len`` rows per request; the old columns are
+      ``[o, o + S)`` with ``o = num_accepted_tokens[r] - 1``, always read (whatever
+      ``has_initial_states`` says); afterwards columns ``[0, S + q - 1)`` hold ``hist[1:]``
+      and later columns keep their bits.
 
-    All requests at once: logical row i finds its request r (``searchsorted`` on
-    ``query_start_loc``) and its position p; tap j reads ``hist_r[S + p - lag_j]``,
-    from ``inputs`` or from the slot's old columns. The new columns
-    ``new[:, c] = hist_r[base + c]`` for ``c < n_write`` (``base = q_r``, ``n_write = S``;
-    spec: ``base = 1``, ``n_write = S + q_r - 1``) are computed from the states as they
-    were before the call, then written. Inputs are stored in the state's dtype (a history
-    read from the state goes through the input dtype first).
+    Every output reads the states as they were before the call. Inputs are stored in the
+    state's dtype; a history read from the state goes through the input dtype first (so a
+    column shifted by the step is rounded through the input dtype; columns the step does not
+    write keep their bits).
 
-    Rows of a request whose slot is ``null_slot`` get no conv term (``outer_residual``
-    is still added); their outputs do not depend on the null slot's contents and its bits
-    are unchanged (the write has a fixed shape, so the null slot's own bits, read before
-    the call, are written back to it; see ``_write_windows``). The residual adds are
-    rounded one at a time: ``(residual + y) + outer_residual``.
+    Rows of a request whose slot is ``null_slot`` get no conv term (``outer_residual`` is
+    still added); the null slot is never read nor written. Rounding: the tap sum accumulated
+    in float32 (float64 for float64 inputs) in tap order and rounded to the input dtype,
+    silu computed in float32 and rounded, then the residual adds rounded one at a time:
+    ``(residual + y) + outer_residual``.
 
     ``validate=False`` skips the value checks (index ranges, offsets, distinct slots);
     for callers that validated on the host, e.g. ``PLECache.schedule``; out-of-range
-    values are then undefined behaviour. Either way no tensor is turned into a Python
-    value after the checks.
+    values are then undefined behaviour.
     """
     check = _checks.ple_conv_call if validate else _checks.ple_conv_meta
     check(inputs, residual, conv_state, conv_weights, state_indices, mode=mode, dilation=dilation,
           query_start_loc=query_start_loc, has_initial_states=has_initial_states,
           num_accepted_tokens=num_accepted_tokens, spec_query_len=spec_query_len,
           token_indices=token_indices, outer_residual=outer_residual, null_slot=null_slot)
-    K = conv_weights.shape[1]
-    S = (K - 1) * dilation
-    C = inputs.shape[1]
-    dev, dt = inputs.device, inputs.dtype
-    R = state_indices.numel()
-    N = inputs.shape[0] if token_indices is None else token_indices.numel()    # logical rows
-    rows = torch.arange(N, device=dev) if token_indices is None else token_indices.to(torch.int64)
-    if mode == "decode":
-        req, first = torch.arange(N, device=dev), torch.arange(N, device=dev)
-        starts = torch.arange(R + 1, device=dev)
-    else:
-        req, first = _row_requests(query_start_loc, N)
-        starts = query_start_loc.to(torch.int64)
-    pos = torch.arange(N, device=dev) - first                                   # position in its request
-    q = starts[1:] - starts[:-1]                                                # [R] rows per request
+    S = (conv_weights.shape[1] - 1) * dilation
+    C, dt = inputs.shape[1], inputs.dtype
+    slots = state_indices.tolist()
+    R = len(slots)
+    rows = list(range(inputs.shape[0])) if token_indices is None else token_indices.tolist()   # logical -> physical
+    starts = list(range(R + 1)) if mode == "decode" else query_start_loc.tolist()
+    if mode == "spec":                 # SPEC 6: the history starts at column num_accepted - 1, always read
+        first_col, reads = [a - 1 for a in num_accepted_tokens.tolist()], [True] * R
+    else:                              # SPEC 6: columns [0, S), or zeros; decode defaults to reading them
+        first_col = [0] * R
+        reads = [mode == "decode"] * R if has_initial_states is None else [bool(f) for f in has_initial_states.tolist()]
 
-    slots = state_indices.to(torch.int64)
-    live = slots != null_slot                                                   # [R]
-    if mode == "spec":
-        reads = live
-        o = num_accepted_tokens.to(torch.int64) - 1
-    else:
-        default = mode == "decode"
-        flags = torch.full((R,), default, device=dev) if has_initial_states is None else has_initial_states != 0
-        reads = live & flags
-        o = torch.zeros(R, dtype=torch.int64, device=dev)
-
-    # Every request's old columns [0, width): its history is read from them, the new state written over them.
-    width = S + spec_query_len - 1 if mode == "spec" else S
-    target, old = _read_windows(conv_state, slots, live, width, null_slot)
-    old = old.reshape(R * width, C)                                             # row r*width + c: column c of r
-    # All histories in one table: row 0 zeros (no history), rows 1 + [r*width, (r+1)*width) the old columns
-    # of request r (so hist_r[k] = row 1 + r*width + o_r + k for k < S), then row 1 + R*width + i: logical row i.
-    hist = torch.cat([inputs.new_zeros(1, C), old.to(dt), inputs.index_select(0, rows)])
-
-    def hist_row(r, k):
-        """Row of ``hist_r[k]``: ``k < S`` its old column ``o_r + k`` (or zeros), else logical row
-        ``starts[r] + k - S``."""
-        return torch.where(k < S, torch.where(reads[r], 1 + r * width + o[r] + k, 0), 1 + R * width + starts[r] + k - S)
-
-    acc = acc_dtype(dt)
+    # Read: every request's history, its tap sums and its new state, from the states before the step.
+    acc = acc_dtype(dt)                             # float32 (float64 for float64 inputs)
     w = conv_weights.to(acc)
-    out = torch.zeros(N, C, dtype=acc, device=dev)
-    for j in range(K):
-        lag = (K - 1 - j) * dilation                      # tap j reads the input `lag` steps back
-        out = out + w[:, j] * hist.index_select(0, hist_row(req, S + pos - lag)).to(acc)
-    y = F.silu(out.to(dt).to(acc)).to(dt)
-
-    res = residual.index_select(0, rows)
-    new_res = torch.where(live[req][:, None], res + y, res)
+    sums = inputs.new_zeros(len(rows), C)           # logical rows; rows without a conv term stay 0 (unused)
+    conv_spans, new_states = [], []
+    for r, slot in enumerate(slots):
+        lo, hi = starts[r], starts[r + 1]
+        if lo == hi or slot == null_slot:          # empty request: nothing; null slot: never read or written
+            continue
+        o = first_col[r]
+        old = conv_state[slot, :, o : o + S].T if reads[r] else conv_state.new_zeros(S, C)
+        hist = torch.cat([old.to(dt), inputs[rows[lo:hi]]])     # [S + q, C]; old columns through the input dtype
+        sums[lo:hi] = conv_sums(hist.to(acc), w, dilation).to(dt)     # SPEC 8: the tap sum, rounded
+        conv_spans.append((lo, hi))
+        new_states.append((slot, hist[1:] if mode == "spec" else hist[hi - lo :]))   # spec: S + q - 1; else S
+    # silu once over all logical rows, not per request: the CPU kernel's vector body and scalar tail may
+    # differ by an ulp in float32, and this keeps the bits of the vectorised backends (SPEC 8: silu in
+    # acc dtype, rounded; in bfloat16 the rounded result is the same either way).
+    y = F.silu(sums.to(acc)).to(dt)
+    phys = torch.tensor(rows, dtype=torch.int64, device=inputs.device)
+    out = residual[phys]                            # a copy, in logical order
+    for lo, hi in conv_spans:
+        out[lo:hi] = out[lo:hi] + y[lo:hi]          # SPEC 5: residual + y, rounded
     if outer_residual is not None:
-        new_res = new_res + outer_residual.index_select(0, rows)
+        out = out + outer_residual[phys]            # then + outer_residual, rounded (also on null-slot rows)
 
-    # What each slot holds afterwards: spec keeps every window of the step, the others the last S;
-    # a column not written (null slot, empty request, spec past S + q - 1) keeps its old bits.
-    c = torch.arange(width, device=dev)
-    base, n_write = (torch.ones_like(q), S + q - 1) if mode == "spec" else (q, torch.full_like(q, S))
-    write = (c < n_write[:, None]) & (q[:, None] > 0) & live[:, None]                # [R, width]
-    table, first_old = hist, 1                                                  # rows of the old bits
-    if conv_state.dtype != dt:        # then hist's old columns went through the input dtype: keep the raw ones
-        table, first_old = torch.cat([hist.to(conv_state.dtype), old]), hist.shape[0]
-    r = torch.arange(R, device=dev)[:, None]
-    src = torch.where(write, hist_row(r, base[:, None] + c), first_old + r * width + c)
-    new = table.index_select(0, src.flatten()).to(conv_state.dtype).reshape(R, width, C)
-
-    residual.index_copy_(0, rows, new_res)
-    _write_windows(conv_state, target, live, new, null_slot)
+    # Write: only now, so no output read a state this step wrote.
+    residual[phys] = out
+    for slot, cols in new_states:
+        conv_state[slot, :, : cols.shape[0]] = cols.T.to(conv_state.dtype)   # stored in the state's dtype
 
 
 def export_conv_checkpoints(inputs: torch.Tensor, conv_state: torch.Tensor, *,
@@ -202,13 +154,13 @@ def export_conv_checkpoints(inputs: torch.Tensor, conv_state: torch.Tensor, *,
                             null_slot: int = 0, validate: bool = True) -> None:
     """Write prefix-cache checkpoints: ``conv_state[slots[r], :, 0:S] = inputs of rows [off - S, off)``.
 
-    For request r (rows cut by ``query_start_loc``, logical rows mapped through
-    ``token_indices``) with ``offsets[r] > 0``, the slot receives the state the request
-    would have after the first ``offsets[r]`` tokens of this step, provided those rows
-    hold at least S inputs: ``0 < offsets[r] < state_len`` or an offset past the
-    request's rows is a ``ValueError``. ``offsets[r] == 0`` and ``slots[r] == null_slot``
-    write nothing (no bit of any slot changes; see ``ple_conv`` for how the fixed-shape
-    write leaves other slots alone). All requests at once, on the device.
+    For request r (rows cut by ``query_start_loc``, logical rows mapped to physical rows of
+    ``inputs`` through ``token_indices``, repeats allowed) with ``offsets[r] > 0``, the slot
+    receives the state the request would have after the first ``offsets[r]`` tokens of this
+    step (SPEC section 6), in the state's dtype, provided those rows hold at least S inputs:
+    ``0 < offsets[r] < state_len`` or an offset past the request's rows is a ``ValueError``.
+    ``offsets[r] == 0`` and ``slots[r] == null_slot`` write nothing; no other bit of any slot
+    changes (columns from ``state_len`` on included).
 
     ``validate=False`` skips the value checks (index ranges, offsets, distinct slots);
     for callers that validated on the host, e.g. ``PLECache.schedule``; out-of-range
@@ -217,17 +169,10 @@ def export_conv_checkpoints(inputs: torch.Tensor, conv_state: torch.Tensor, *,
     check = _checks.export_call if validate else _checks.export_meta
     check(inputs, conv_state, query_start_loc=query_start_loc, offsets=offsets, slots=slots,
           state_len=state_len, token_indices=token_indices, null_slot=null_slot)
-    num_logical = inputs.shape[0] if token_indices is None else token_indices.numel()
-    if num_logical == 0:                                # no rows: every offset is 0
-        return
-    dev = inputs.device
     S = state_len
-    off = offsets.to(torch.int64)
-    sl = slots.to(torch.int64)
-    owns = (off > 0) & (sl != null_slot)
-    target, old = _read_windows(conv_state, sl, owns, S, null_slot)
-    logical = query_start_loc.to(torch.int64)[:-1, None] + off[:, None] - S + torch.arange(S, device=dev)
-    logical = logical.clamp(0, num_logical - 1)                                 # rows of non-owners: any
-    rows = logical if token_indices is None else token_indices.to(torch.int64)[logical]
-    new = torch.where(owns[:, None, None], inputs[rows].to(conv_state.dtype), old)     # [R, S, C]
-    _write_windows(conv_state, target, owns, new, null_slot)
+    rows = list(range(inputs.shape[0])) if token_indices is None else token_indices.tolist()   # logical -> physical
+    for start, off, slot in zip(query_start_loc.tolist(), offsets.tolist(), slots.tolist()):
+        if off == 0 or slot == null_slot:
+            continue
+        window = rows[start + off - S : start + off]        # the S logical rows before position `off`
+        conv_state[slot, :, :S] = inputs[window].T.to(conv_state.dtype)

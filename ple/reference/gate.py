@@ -30,11 +30,12 @@ def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, group_size: int, eps
 
     ``x`` is ``[..., C]``, ``weight`` ``[C]``; the result has ``x``'s dtype.
     """
+    # SPEC 4: the whole norm in acc dtype (float32; float64 for float64 inputs), one rounding at the end.
     acc = acc_dtype(x.dtype)
     xf = rearrange(x.to(acc), "... (g h) -> ... g h", h=group_size)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     y = rearrange(y, "... g h -> ... (g h)") * (1.0 + weight.to(acc))
-    return y.to(x.dtype)
+    return y.to(x.dtype)                                        # SPEC 8: rounded after each norm
 
 
 def ple_gate(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor,
@@ -51,8 +52,8 @@ def ple_gate(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor
     H = _checks.gate_call(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight,
                           eps).group_size
     g = stream_gates(key, hidden_states, norm_key_weight, norm_query_weight, H, eps)    # [T, M]
-    gated = rearrange(g[:, :, None] * value[:, None, :], "t m h -> t (m h)")
-    conv_input = grouped_rms_norm(gated, norm_conv_weight, H, eps)
+    gated = rearrange(g[:, :, None] * value[:, None, :], "t m h -> t (m h)")      # SPEC 8: g * value, rounded
+    conv_input = grouped_rms_norm(gated, norm_conv_weight, H, eps)               # SPEC 4: norm_conv(gated)
     return gated, conv_input
 
 
@@ -70,7 +71,8 @@ def stream_scores(key: torch.Tensor, hidden_states: torch.Tensor, norm_key_weigh
     dt = key.dtype
     kn = rearrange(grouped_rms_norm(key, norm_key_weight, H, eps), "t (m h) -> t m h", h=H)
     qn = rearrange(grouped_rms_norm(hidden_states, norm_query_weight, H, eps), "t (m h) -> t m h", h=H)
-    s = (kn * qn).sum(-1, dtype=acc_dtype(dt)).to(dt)           # [T, M]; product rounded, sum in fp32
-    s = s / math.sqrt(H)
-    mag = s.abs().clamp_min(GATE_CLAMP).sqrt()
-    return s, torch.sigmoid(mag * s.sign())
+    # SPEC 4 and 8: every elementwise op in the input dtype, i.e. rounded where the model rounds it.
+    s = (kn * qn).sum(-1, dtype=acc_dtype(dt)).to(dt)           # [T, M]; product rounded, sum in fp32, rounded
+    s = s / math.sqrt(H)                                        # / sqrt(H), rounded
+    mag = s.abs().clamp_min(GATE_CLAMP).sqrt()                  # sqrt(max(|s|, 1e-6)), rounded
+    return s, torch.sigmoid(mag * s.sign())                     # sign(s) * mag (exact), sigmoid rounded

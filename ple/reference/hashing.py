@@ -4,19 +4,24 @@ A token's n-gram of order n is its window of the last n tokens; the window is
 hashed by XOR-ing ``token * multiplier`` products and taken modulo one prime per
 hash head. The multipliers are odd and small enough that ``token * m < 2**63`` for
 every token id below ``vocab_size``, so the products never overflow int64.
+
+``ngram_ids`` is written as the specification: a loop over the requests (``query_start_loc``
+read on the host), each hashed from its context and tokens as SPEC section 3 says; not
+sync-free (``ple.vectorized`` computes the same ids on the device for the whole batch).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 
 import torch
 
 from .. import _checks
 from ..config import PLEConfig
+from ..params import HashParams
 
-__all__ = ["HashParams", "hash_params", "splitmix64", "primes_from", "ngram_ids", "ngram_windows", "ngrams_of_rows"]
+__all__ = ["HashParams", "hash_params", "splitmix64", "primes_from", "layer_multipliers", "ngram_ids", "ngram_windows",
+           "ngrams_of_rows"]
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -67,36 +72,6 @@ def primes_from(start: int, count: int) -> tuple[int, ...]:
     return tuple(out)
 
 
-@dataclass(frozen=True)
-class HashParams:
-    """Everything the hash of one PLE layer needs.
-
-    ``multipliers`` is int64 ``[N]``; ``head_sizes`` and ``head_offsets`` are int64
-    ``[NH]``; ``num_rows`` is the table's row count (padded); ``vocab_size`` is V.
-    """
-
-    multipliers: torch.Tensor
-    head_sizes: torch.Tensor
-    head_offsets: torch.Tensor
-    num_rows: int
-    vocab_size: int
-
-    @property
-    def ngram_size(self) -> int:
-        return self.multipliers.numel()
-
-    def __repr__(self) -> str:
-        sizes = self.head_sizes.tolist() if self.head_sizes.device.type != "meta" else "?"
-        if isinstance(sizes, list) and len(sizes) > 6:
-            sizes = f"[{sizes[0]}, {sizes[1]}, ..., {sizes[-1]}]"
-        return (f"HashParams(N={self.ngram_size}, {self.head_sizes.numel()} heads of sizes {sizes}, "
-                f"num_rows={self.num_rows}, vocab_size={self.vocab_size})")
-
-    def to(self, device) -> HashParams:
-        return HashParams(self.multipliers.to(device), self.head_sizes.to(device),
-                          self.head_offsets.to(device), self.num_rows, self.vocab_size)
-
-
 def layer_multipliers(vocab_size: int, ngram_size: int, seed: int, ple_layer_index: int) -> list[int]:
     """SPEC section 2: odd multipliers with ``token * m < 2**63`` for tokens below ``vocab_size``."""
     half = max(1, ((2**63 - 1) // max(vocab_size, 1)) // 2)
@@ -128,36 +103,33 @@ def hash_params(config: PLEConfig, ple_layer_index: int) -> HashParams:
     )
 
 
-def _windows(ids: torch.Tensor, ctx: torch.Tensor, N: int, eos_token_id: int,
-             query_start_loc: torch.Tensor | None) -> list[torch.Tensor]:
-    """``window[k][t]``: the token k positions before token t (context included), EOS rule applied."""
-    dev = ids.device
-    T = ids.numel()
-    R = ctx.shape[0]
-    tokens = torch.arange(T, device=dev)
-    if query_start_loc is None:
-        req, pos = torch.zeros(T, dtype=torch.int64, device=dev), tokens
+def _requests(input_ids: torch.Tensor, N: int, eos_token_id: int, query_start_loc: torch.Tensor | None,
+              ngram_context: torch.Tensor | None) -> list[torch.Tensor]:
+    """Per request, ``ctx ++ x`` as int64 ``[N - 1 + q]``: its N-1 context tokens (oldest first; all EOS
+    without ``ngram_context``), then its q tokens (SPEC section 3). Reads ``query_start_loc`` on the host."""
+    ids = input_ids.to(torch.int64)
+    starts = [0, ids.numel()] if query_start_loc is None else query_start_loc.tolist()
+    R = len(starts) - 1
+    if ngram_context is None:
+        ctx = torch.full((R, N - 1), eos_token_id, dtype=torch.int64, device=ids.device)
     else:
-        qsl = query_start_loc.to(torch.int64)
-        req = torch.searchsorted(qsl[1:], tokens, right=True).clamp(max=max(R - 1, 0))   # [T] request of a token
-        pos = tokens - qsl[req]                                                           # position in it
+        ctx = ngram_context.to(torch.int64)
+    return [torch.cat([ctx[r], ids[starts[r]:starts[r + 1]]]) for r in range(R)]
 
-    # back[k][t] is the token k positions before token t: inside the chunk, or in its context.
-    back = [ids]
+
+def _windows(seq: torch.Tensor, N: int, eos_token_id: int) -> torch.Tensor:
+    """The window of every token of one request, ``[q, N]``: column k the token k positions back
+    (column 0 the token itself), after the EOS rule. ``seq`` is ``ctx ++ x`` (`_requests`)."""
+    q = seq.numel() - (N - 1)
+    window = [seq[N - 1:]]                                      # w[0]: the token itself
+    seen_eos = torch.zeros(q, dtype=torch.bool, device=seq.device)
     for k in range(1, N):
-        in_chunk = pos >= k
-        from_chunk = torch.cat([ids.new_zeros(min(k, T)), ids[: max(T - k, 0)]])  # ids shifted k to the right
-        from_ctx = ctx[req, (N - 1 + pos - k).clamp(0, N - 2)] if R else from_chunk
-        back.append(torch.where(in_chunk, from_chunk, from_ctx))
-
-    # EOS rule: once a step back reaches an EOS, every older entry is EOS (the EOS itself is kept).
-    window = [back[0]]
-    seen_eos = torch.zeros(T, dtype=torch.bool, device=dev)
-    for k in range(1, N):
-        window.append(torch.where(seen_eos, torch.full_like(back[k], eos_token_id), back[k]))
-        seen_eos = seen_eos | (back[k] == eos_token_id)
-
-    return window
+        back = seq[N - 1 - k : N - 1 - k + q]                   # the token k positions back (maybe in ctx)
+        # SPEC 3, EOS rule: once a step back has reached an EOS, every older entry is EOS (the EOS itself
+        # is kept, so an EOS token still sees its own history).
+        window.append(torch.where(seen_eos, eos_token_id, back))
+        seen_eos = seen_eos | (back == eos_token_id)
+    return torch.stack(window, 1)
 
 
 def ngram_windows(input_ids: torch.Tensor, *, ngram_size: int, eos_token_id: int,
@@ -170,11 +142,9 @@ def ngram_windows(input_ids: torch.Tensor, *, ngram_size: int, eos_token_id: int
     in `ngram_ids`.
     """
     N = ngram_size
-    R = 1 if query_start_loc is None else query_start_loc.numel() - 1
-    ids = input_ids.to(torch.int64)
-    ctx = (torch.full((R, N - 1), eos_token_id, dtype=torch.int64, device=ids.device) if ngram_context is None
-           else ngram_context.to(torch.int64))
-    return torch.stack(_windows(ids, ctx, N, eos_token_id, query_start_loc), 1)
+    windows = [_windows(seq, N, eos_token_id)
+               for seq in _requests(input_ids, N, eos_token_id, query_start_loc, ngram_context)]
+    return torch.cat(windows) if windows else torch.zeros(0, N, dtype=torch.int64, device=input_ids.device)
 
 
 def ngrams_of_rows(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: int, eos_token_id: int,
@@ -201,15 +171,19 @@ def ngrams_of_rows(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngr
 def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: int, eos_token_id: int,
               query_start_loc: torch.Tensor | None = None,
               ngram_context: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
-    """Table rows of every token's NH hash heads: ``[T, NH]`` int64.
+    """Table rows of every token's NH hash heads: ``[T, NH]`` int64 (SPEC section 3).
 
     ``input_ids`` is ``[T]``: the tokens of R requests laid end to end, cut by
     ``query_start_loc`` (``[R+1]``; default: one request). ``ngram_context``
     (``[R, N-1]``, oldest first; default: all EOS, i.e. every request starts its
     sequence) holds the tokens before each request's first token, so a chunk's ids
-    equal those of the same tokens hashed within the whole sequence. Each token finds its
-    request with ``torch.searchsorted`` on the device ``query_start_loc``, so no tensor is
-    turned into a Python value after the checks.
+    equal those of the same tokens hashed within the whole sequence.
+
+    A token's window ``w[0..N-1]`` is the token itself, then the tokens 1..N-1 positions back
+    (through the context), except that past an EOS every older entry is EOS (the EOS itself
+    is kept). For order n in 2..N, ``mix_n = (w[0]*m[0]) ^ ... ^ (w[n-1]*m[n-1])`` with
+    ``m = params.multipliers``, and head ``h = (n-2) * heads_per_ngram + j`` takes row
+    ``mix_n % head_sizes[h] + head_offsets[h]``. Token ids outside ``[0, V)`` raise ``ValueError``.
 
     ``validate=False`` skips the value checks (token id ranges, offsets); for callers that
     validated on the host, e.g. ``PLECache.schedule``; out-of-range values are
@@ -218,23 +192,19 @@ def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: i
     check = _checks.ngram_call if validate else _checks.ngram_meta
     check(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
     dev = input_ids.device
-    N = params.multipliers.numel()
-    R = 1 if query_start_loc is None else query_start_loc.numel() - 1
-    ids = input_ids.to(torch.int64)
-    if ngram_context is None:
-        ctx = torch.full((R, N - 1), eos_token_id, dtype=torch.int64, device=dev)
-    else:
-        ctx = ngram_context.to(torch.int64)
-
-    window = _windows(ids, ctx, N, eos_token_id, query_start_loc)
-
+    N, P = params.multipliers.numel(), heads_per_ngram
     m = params.multipliers.to(dev)
     sizes, offsets = params.head_sizes.to(dev), params.head_offsets.to(dev)
-    P = heads_per_ngram
-    mix = window[0] * m[0]
-    blocks = []
-    for n in range(2, N + 1):
-        mix = mix ^ (window[n - 1] * m[n - 1])
-        heads = slice((n - 2) * P, (n - 1) * P)
-        blocks.append(mix[:, None] % sizes[heads] + offsets[heads])
-    return torch.cat(blocks, dim=1)
+    out = []
+    for seq in _requests(input_ids, N, eos_token_id, query_start_loc, ngram_context):
+        w = _windows(seq, N, eos_token_id)                      # [q, N]
+        # SPEC 3: mix_n = (w[0]*m[0]) ^ ... ^ (w[n-1]*m[n-1]) (int64: token * m < 2**63, no overflow);
+        # head h = (n-2)*P + j takes row mix_n % size[h] + offset[h].
+        mix = w[:, 0] * m[0]
+        heads = []
+        for n in range(2, N + 1):
+            mix = mix ^ (w[:, n - 1] * m[n - 1])
+            h = slice((n - 2) * P, (n - 1) * P)
+            heads.append(mix[:, None] % sizes[h] + offsets[h])
+        out.append(torch.cat(heads, dim=1))
+    return torch.cat(out) if out else torch.zeros(0, (N - 1) * P, dtype=torch.int64, device=dev)

@@ -16,46 +16,7 @@ from .conv import ple_conv
 from .gate import ple_gate
 from .training_conv import dilated_causal_conv
 
-__all__ = ["ple_prefill", "prefill_meta", "prefill_values"]
-
-
-def prefill_meta(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
-                 conv_weights, *, dilation, query_start_loc, keep, conv_state, state_indices,
-                 has_initial_states, token_indices, null_slot) -> None:
-    """Metadata checks of a ``ple_prefill`` call (no tensor values are read)."""
-    _checks.gate_call(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps)
-    T = key.shape[0]
-    if keep is not None:
-        _checks.index("keep", keep, device=key.device, shape=(T,), kind="flag")
-    if conv_state is None:
-        for name, t in (("state_indices", state_indices), ("has_initial_states", has_initial_states),
-                        ("token_indices", token_indices)):
-            if t is not None:
-                raise ValueError(f"{name}: only for a serving prefill (with a conv_state); got one without")
-        if query_start_loc is None:
-            raise ValueError("query_start_loc: required")
-        _checks.dense_conv_meta(key, conv_weights, dilation, query_start_loc)
-        _checks.int_arg("null_slot", null_slot)
-    else:
-        if state_indices is None:
-            raise ValueError("state_indices: required with a conv_state")
-        _checks.ple_conv_meta(key, key, conv_state, conv_weights, state_indices, mode="prefill", dilation=dilation,
-                              query_start_loc=query_start_loc, has_initial_states=has_initial_states,
-                              num_accepted_tokens=None, spec_query_len=1, token_indices=token_indices,
-                              outer_residual=hidden_states, null_slot=null_slot)
-
-
-def prefill_values(key, conv_weights, *, dilation, query_start_loc, conv_state, state_indices,
-                   has_initial_states, token_indices, null_slot) -> None:
-    """Value checks of a ``ple_prefill`` call (offsets, index ranges, distinct slots and rows): host reads."""
-    if conv_state is None:
-        _checks.dense_conv_values(key, conv_weights, dilation, query_start_loc)
-    else:
-        _checks.ple_conv_values(key, key, conv_state, conv_weights, state_indices, mode="prefill",
-                                dilation=dilation, query_start_loc=query_start_loc,
-                                has_initial_states=has_initial_states, num_accepted_tokens=None,
-                                spec_query_len=1, token_indices=token_indices, outer_residual=None,
-                                null_slot=null_slot)
+__all__ = ["ple_prefill"]
 
 
 def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor,
@@ -92,24 +53,22 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
     ``validate=False`` skips the value checks (offsets, index ranges, distinct slots); out-of-range
     values are then undefined behaviour.
     """
-    prefill_meta(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
-                 conv_weights, dilation=dilation, query_start_loc=query_start_loc, keep=keep,
-                 conv_state=conv_state, state_indices=state_indices, has_initial_states=has_initial_states,
-                 token_indices=token_indices, null_slot=null_slot)
-    if validate:
-        prefill_values(key, conv_weights, dilation=dilation, query_start_loc=query_start_loc,
-                       conv_state=conv_state, state_indices=state_indices, has_initial_states=has_initial_states,
-                       token_indices=token_indices, null_slot=null_slot)
+    check = _checks.prefill_call if validate else _checks.prefill_meta
+    check(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps, conv_weights,
+          dilation=dilation, query_start_loc=query_start_loc, keep=keep, conv_state=conv_state,
+          state_indices=state_indices, has_initial_states=has_initial_states, token_indices=token_indices,
+          null_slot=null_slot)
+    # The composition (SPEC sections 4-6), each op with its own rounding points; the checks ran above.
     gated, conv_input = ple_gate(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight,
                                  eps)
-    if keep is not None:
+    if keep is not None:                            # padding rows times 0, as the layer's mask does
         mask = (keep != 0).to(gated.dtype)[:, None]
         gated, conv_input = gated * mask, conv_input * mask
     if conv_state is None:
         y = dilated_causal_conv(conv_input, conv_weights, dilation=dilation, cu_seqlens=query_start_loc,
                                 validate=False)
-        return (gated + y) + hidden_states
-    out = gated.clone()
+        return (gated + y) + hidden_states          # SPEC 5: the layer's term rounded, then the residual add
+    out = gated.clone()                             # ple_conv adds into it: (gated + y) + hidden_states
     ple_conv(conv_input, out, conv_state, conv_weights, state_indices, mode="prefill", dilation=dilation,
              query_start_loc=query_start_loc, has_initial_states=has_initial_states, token_indices=token_indices,
              outer_residual=hidden_states, null_slot=null_slot, validate=False)

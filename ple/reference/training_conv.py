@@ -2,17 +2,21 @@
 
 ``y_t = silu( sum_{j=0..K-1} w[:, j] * x_{t - (K-1-j) * d} )`` inside each sequence, with
 zero history before its start; dense ``[B, L, C]`` or packed ``[T, C]`` cut by
-``cu_seqlens``. Autograd through plain PyTorch ops. Rounding follows the model: the tap
-sum is accumulated in float32 (``acc_dtype``) and rounded to the input dtype, then silu,
-rounded. The serving step over the same convolution is ``conv.ple_conv``.
+``cu_seqlens``. Written as the specification: a Python loop over the sequences (reading
+``cu_seqlens`` on the host), each convolved from ``S`` zeros of history with the serving
+step's tap sum (``conv.conv_sums``), autograd through plain PyTorch ops. ``ple.vectorized``
+computes the same bits without the loop.
 """
 
 from __future__ import annotations
+
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
 
 from .. import _checks
+from .conv import conv_sums
 from .gate import acc_dtype
 
 __all__ = ["dilated_causal_conv"]
@@ -25,35 +29,30 @@ def dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: int,
     ``x`` is ``[B, L, C]`` (each row a sequence) or packed ``[T, C]`` with
     ``cu_seqlens`` (``[R+1]``) cutting it into sequences; a 2-D ``x`` without
     ``cu_seqlens`` is one sequence. ``weight`` is ``[C, K]``. Every sequence starts
-    with zero history. Returns ``y`` with ``x``'s shape and dtype. A packed token finds its
-    sequence with ``torch.searchsorted`` on the device ``cu_seqlens``.
+    with zero history: ``y_t = silu(sum_j w[:, j] * x_{t - (K-1-j) * d})``, terms before the
+    sequence's start being 0. Returns ``y`` with ``x``'s shape and dtype. Rounding is the
+    model's: the tap sum accumulated in float32 (float64 for float64 inputs) in tap order and
+    rounded to ``x``'s dtype, then silu computed in float32 and rounded.
 
     ``validate=False`` skips the value checks (the offsets of ``cu_seqlens``); for callers
     that validated on the host, e.g. ``PLECache.schedule``; out-of-range values are then
     undefined behaviour.
     """
     (_checks.dense_conv_call if validate else _checks.dense_conv_meta)(x, weight, dilation, cu_seqlens)
-    K = weight.shape[1]
-    acc = acc_dtype(x.dtype)
-    xf, w = x.to(acc), weight.to(acc)
+    S = (weight.shape[1] - 1) * dilation
+    C, dt = x.shape[-1], x.dtype
+    acc = acc_dtype(dt)                             # float32 (float64 for float64 inputs)
+    xa, w = x.reshape(-1, C).to(acc), weight.to(acc)    # [B, L, C]: B sequences of L rows, end to end
     if x.dim() == 3:
-        L = x.shape[1]
-        pos = torch.arange(L, device=x.device)
-        time_dim = 1
+        starts = [b * x.shape[1] for b in range(x.shape[0] + 1)]
     else:
-        T = x.shape[0]
-        pos = torch.arange(T, device=x.device)                  # position within its sequence
-        if cu_seqlens is not None:
-            cu = cu_seqlens.to(torch.int64)
-            seq = torch.searchsorted(cu[1:], pos, right=True).clamp(max=max(cu.numel() - 2, 0))
-            pos = pos - cu[seq]
-        time_dim = 0
-    out = torch.zeros_like(xf)
-    for j in range(K):
-        lag = (K - 1 - j) * dilation
-        src = (torch.arange(pos.numel(), device=x.device) - lag).clamp(min=0)
-        shifted = xf.index_select(time_dim, src)
-        valid = (pos >= lag).to(acc)                            # zero history before each sequence
-        valid = valid[:, None] if time_dim == 0 else valid[None, :, None]
-        out = out + w[:, j] * shifted * valid
-    return F.silu(out.to(x.dtype).to(acc)).to(x.dtype)
+        starts = [0, x.shape[0]] if cu_seqlens is None else cu_seqlens.tolist()
+    spans = list(pairwise(starts)) or [(0, 0)]      # no sequence means no rows: one empty one (keeps the graph)
+    # Each sequence from S zeros of history. Tap by tap (conv_sums), not F.conv1d: the model's conv sums
+    # the K products in float32 in tap order and rounds once to x's dtype (SPEC 8), and a conv1d kernel
+    # would sum in its own order.
+    sums = torch.cat([conv_sums(torch.cat([xa.new_zeros(S, C), xa[a:b]]), w, dilation) for a, b in spans])
+    # silu once over all rows, not per sequence: the CPU kernel's vector body and scalar tail may differ
+    # by an ulp in float32, and one call over the whole tensor gives the vectorised backend's bits.
+    y = F.silu(sums.to(dt).to(acc)).to(dt)          # SPEC 8: the tap sum rounded, silu in acc dtype, rounded
+    return y.reshape(x.shape)

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .. import _checks
-from .cache import PLECache, StepBatch
+from .batch import StepBatch
+
+if TYPE_CHECKING:
+    from .cache import PLECache
 
 __all__ = ["layer_step", "begin_step", "compute_step", "step_conv", "uses_fused_prefill", "check_same_config",
            "STEP_FIELDS"]
@@ -46,7 +51,7 @@ def layer_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLEC
 
 def begin_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLECache) -> None:
     """Everything a step checks, on the host (metadata only), then the realignment of its windows."""
-    if not isinstance(cache, PLECache):
+    if not callable(getattr(cache, "begin_layer", None)):              # a PLECache (this module cannot import it)
         raise TypeError(f"cache: expected a PLECache, got {type(cache).__name__}")
     index = layer.ple_layer_index
     cache.begin_layer(batch, index)
@@ -61,15 +66,16 @@ def begin_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLEC
 
 def compute_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLECache) -> torch.Tensor:
     """The step's tensor work, ``[T, C] -> [T, C]``: the ops run with ``validate=False`` (the plan was
-    validated on the host by ``cache.schedule``), so no tensor becomes a Python value. On the Triton
-    backend a step of prefills only (no checkpoints) runs gate, conv and adds as one kernel
-    (``ple.fast.ple_prefill``); other steps gate all rows once and run a conv per mode."""
+    validated on the host by ``cache.schedule``), so no tensor becomes a Python value. The same ops in
+    the same order on every backend: the rows' embeddings (``layer.hashed_rows``), the projections,
+    then a step of prefills only (no checkpoints) is one ``ple_prefill`` (``ple.fast`` fuses it);
+    any other step gates all rows once (``ple_gate``) and runs a ``ple_conv`` per mode (`step_conv`)."""
     ops = layer.ops
     emb = layer.hashed_rows(batch.input_ids, hidden_states.dtype, query_start_loc=batch.query_start_loc,
                             ngram_context=batch.ngram_context, validate=False)   # [T, E]
     state = cache.conv_state(layer.ple_layer_index)                      # [num_slots, C, W] view
     weights = layer.conv_weights.to(hidden_states.dtype)
-    if uses_fused_prefill(layer, batch):                                 # prefills only: one fused kernel
+    if uses_fused_prefill(batch):                                        # prefills only: one op
         key, value = layer.project(emb)
         return ops.ple_prefill(key, value, hidden_states, layer.norm_key.weight, layer.norm_query.weight,
                                layer.norm_conv.weight, layer.config.rms_norm_eps, weights,
@@ -83,11 +89,10 @@ def compute_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PL
     return out
 
 
-def uses_fused_prefill(layer, batch: StepBatch) -> bool:
-    """Whether `compute_step` runs ``batch`` as one fused ``ple_prefill`` (Triton backend, prefills only, no
-    prefix-cache checkpoints: those need the conv inputs in memory)."""
-    return (layer.backend == "triton" and not batch.num_spec_decodes and not batch.num_decodes
-            and not batch.has_checkpoints)
+def uses_fused_prefill(batch: StepBatch) -> bool:
+    """Whether `compute_step` runs ``batch`` as one ``ple_prefill`` (prefills only, no prefix-cache
+    checkpoints: those need the conv inputs in memory), on every backend."""
+    return not batch.num_spec_decodes and not batch.num_decodes and not batch.has_checkpoints
 
 
 def step_conv(ops, conv_input: torch.Tensor, residual: torch.Tensor, state: torch.Tensor, weights: torch.Tensor,

@@ -113,9 +113,10 @@ class ReplayResult:
 def conv_inputs_of_step(layer, hidden, batch) -> torch.Tensor:
     """The conv inputs the layer computed inside `step` for these rows (same ops, same shapes: same bits).
 
-    A step the Triton backend runs as one fused prefill (``ple.state.step.uses_fused_prefill``) never
-    materialises them: they come from ``ple.fast.prefill.prefill_conv_inputs``, the arithmetic of the
-    kernel that writes its states.
+    A step run as one ``ple_prefill`` (``ple.state.step.uses_fused_prefill``) never materialises
+    them: where the op module offers ``prefill_conv_inputs`` (``ple.fast``: the arithmetic of the
+    kernel that writes its states, whose float32 sums over H may end one ulp from ``ple_gate``'s)
+    they come from it, else from the backend's ``ple_gate``.
     """
     from ..state.step import uses_fused_prefill
     cfg = layer.config
@@ -123,11 +124,11 @@ def conv_inputs_of_step(layer, hidden, batch) -> torch.Tensor:
                               heads_per_ngram=cfg.heads_per_ngram, eos_token_id=cfg.eos_token_id,
                               query_start_loc=batch.query_start_loc, ngram_context=batch.ngram_context)
     emb = layer.embed(ids, hidden.dtype)
-    if uses_fused_prefill(layer, batch):
-        from ..fast.prefill import prefill_conv_inputs
+    fused_inputs = getattr(layer.ops, "prefill_conv_inputs", None)
+    if uses_fused_prefill(batch) and fused_inputs is not None:
         key, value = layer.project(emb)
-        return prefill_conv_inputs(key, value, hidden, layer.norm_key.weight, layer.norm_query.weight,
-                                   layer.norm_conv.weight, cfg.rms_norm_eps, cfg.conv_state_len)
+        return fused_inputs(key, value, hidden, layer.norm_key.weight, layer.norm_query.weight,
+                            layer.norm_conv.weight, cfg.rms_norm_eps, cfg.conv_state_len)
     return layer.gate(emb, hidden)[1]
 
 

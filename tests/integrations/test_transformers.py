@@ -31,7 +31,7 @@ from ple.integrations.transformers import (  # noqa: E402
 )
 from ple.quant import dequantize  # noqa: E402
 
-BACKENDS = ["reference", pytest.param("triton", marks=pytest.mark.interpreter)]
+BACKENDS = ["reference", "torch", pytest.param("triton", marks=pytest.mark.interpreter)]
 EOS = 2
 
 

@@ -1,15 +1,13 @@
-"""The vectorised ``ple_conv`` / ``export_conv_checkpoints`` equal, bit for bit, the per-request loops
-they replaced (kept here as the oracle: ``loop_ple_conv`` and ``loop_export``).
+"""The vectorised ``ple_conv`` / ``export_conv_checkpoints`` (``ple.vectorized``, the ``"torch"`` backend)
+equal the reference's per-request loops bit for bit: residuals and the whole state buffer.
 
 Hypothesis draws modes, input and state dtypes (mixed too), state layouts, ``token_indices``,
 ``outer_residual``, null-slot requests (the null slot poisoned with NaN; also a null slot outside
-``[0, num_slots)``), empty requests and ``validate`` on or off. Residuals and the whole state buffer
-are compared bit for bit. One caveat is the CPU's ``silu`` kernel, not the ops: its vector body and
-its scalar tail (the last ``numel % 16`` elements of a contiguous block) can differ by an ulp in
-float32 / float64, and the oracle applies silu per request while the op applies it to all rows at
-once. So with float32 / float64 inputs C is a multiple of 16 (every element takes the vector path in
-both), or the outputs are compared to an ulp; with bfloat16 / float16 inputs silu's result, rounded,
-is the same either way (checked for every value in ``test_silu_rounding_is_layout_free``).
+``[0, num_slots)``, and no slots at all), empty requests, index dtypes and ``validate`` on or off
+(for each side). Both apply silu once over all logical rows, so float32 / float64 results are
+equal bit for bit too (the CPU's silu kernel rounds its vector body and its scalar tail
+differently, by up to an ulp, so applying it per request would not be); in bfloat16 / float16
+the rounded silu is the same either way (``test_silu_rounding_is_layout_free``).
 """
 
 from __future__ import annotations
@@ -19,83 +17,13 @@ import torch.nn.functional as F
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
-from ple import _checks
-from ple.reference import export_conv_checkpoints, ple_conv
-from ple.reference.gate import acc_dtype
+from ple import reference, vectorized
 from ple.testing.numerics import assert_bitwise_equal
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.float16]
 LAYOUTS = ["contiguous", "transposed", "slot_strided", "window_view"]
 
 
-# ---- the oracle: the per-request loops of the implementation before vectorisation ----------------
-def conv_over_history(hist, weight, dilation):
-    K = weight.shape[1]
-    S = (K - 1) * dilation
-    q = hist.shape[0] - S
-    acc = acc_dtype(hist.dtype)
-    h, w = hist.to(acc), weight.to(acc)
-    out = torch.zeros(q, hist.shape[1], dtype=acc, device=hist.device)
-    for j in range(K):
-        lag = (K - 1 - j) * dilation
-        out = out + w[:, j] * h[S - lag : S - lag + q]
-    return F.silu(out.to(hist.dtype).to(acc)).to(hist.dtype)
-
-
-def loop_ple_conv(inputs, residual, conv_state, conv_weights, state_indices, *, mode, dilation,
-                  query_start_loc=None, has_initial_states=None, num_accepted_tokens=None, spec_query_len=1,
-                  token_indices=None, outer_residual=None, null_slot=0):
-    call = _checks.ple_conv_call(
-        inputs, residual, conv_state, conv_weights, state_indices, mode=mode, dilation=dilation,
-        query_start_loc=query_start_loc, has_initial_states=has_initial_states,
-        num_accepted_tokens=num_accepted_tokens, spec_query_len=spec_query_len,
-        token_indices=token_indices, outer_residual=outer_residual, null_slot=null_slot)
-    S = call.state_len
-    updates = []
-    for r, slot in enumerate(call.slots):
-        lo, hi = call.starts[r], call.starts[r + 1]
-        if hi == lo:
-            continue
-        rows = torch.arange(lo, hi) if call.rows is None else torch.tensor(call.rows[lo:hi])
-        if slot == null_slot:
-            if outer_residual is not None:
-                residual[rows] = residual[rows] + outer_residual[rows]
-            continue
-        state = conv_state[slot]
-        x = inputs[rows]
-        if mode == "spec":
-            o = call.accepted[r] - 1
-            prefix = state[:, o : o + S].T
-        elif call.has_initial[r]:
-            prefix = state[:, :S].T
-        else:
-            prefix = torch.zeros(S, x.shape[1], dtype=conv_state.dtype)
-        hist = torch.cat([prefix.to(inputs.dtype), x], dim=0)
-        y = conv_over_history(hist, conv_weights, dilation)
-        out = residual[rows] + y
-        if outer_residual is not None:
-            out = out + outer_residual[rows]
-        keep = hist[1:] if mode == "spec" else hist[-S:] if S else hist[:0]
-        updates.append((rows, out, slot, keep))
-    for rows, out, slot, keep in updates:
-        residual[rows] = out
-        conv_state[slot, :, : keep.shape[0]] = keep.T.to(conv_state.dtype)
-
-
-def loop_export(inputs, conv_state, *, query_start_loc, offsets, slots, state_len, token_indices=None,
-                null_slot=0):
-    call = _checks.export_call(inputs, conv_state, query_start_loc=query_start_loc, offsets=offsets,
-                               slots=slots, state_len=state_len, token_indices=token_indices,
-                               null_slot=null_slot)
-    for r, (off, slot) in enumerate(zip(call.offsets, call.slots)):
-        if off == 0 or slot == null_slot:
-            continue
-        logical = list(range(call.starts[r] + off - state_len, call.starts[r] + off))
-        rows = logical if call.rows is None else [call.rows[i] for i in logical]
-        conv_state[slot, :, :state_len] = inputs[rows].T.to(conv_state.dtype)
-
-
-# ---- helpers ------------------------------------------------------------------------------------
 def make_state(layout, num_slots, C, W, dtype, gen):
     """A random state buffer and the function that views it as ``[num_slots, C, W]``."""
     shapes = {"contiguous": (num_slots, C, W), "transposed": (num_slots, W, C),
@@ -103,21 +31,6 @@ def make_state(layout, num_slots, C, W, dtype, gen):
     views = {"contiguous": lambda b: b, "transposed": lambda b: b.transpose(1, 2),
              "slot_strided": lambda b: b[1::2][:num_slots], "window_view": lambda b: b[:, :, 2 : 2 + W]}
     return torch.randn(shapes[layout], generator=gen).to(dtype), views[layout]
-
-
-def channels(data, dtype):
-    """C: a multiple of 16 where silu's rounding depends on the layout (float32 / float64), else any."""
-    exact = dtype in (torch.bfloat16, torch.float16) or data.draw(st.booleans(), label="C multiple of 16")
-    options = [1, 3, 5, 16] if dtype in (torch.bfloat16, torch.float16) else [16, 32] if exact else [3, 5, 7]
-    return data.draw(st.sampled_from(options), label="C"), exact
-
-
-def assert_outputs_equal(actual, expected, exact, name):
-    if exact:
-        assert_bitwise_equal(actual, expected, name=name)
-    else:  # silu may differ by an ulp (module docstring)
-        torch.testing.assert_close(actual, expected, rtol=4e-7 if actual.dtype == torch.float32 else 1e-15,
-                                   atol=0, equal_nan=True)
 
 
 def test_silu_rounding_is_layout_free():
@@ -133,21 +46,22 @@ def test_silu_rounding_is_layout_free():
 # ---- ple_conv --------------------------------------------------------------------------------------
 @settings(max_examples=200)
 @given(data=st.data(), seed=st.integers(0, 2**31))
-def test_ple_conv_equals_per_request_loop(data, seed):
+def test_vectorized_ple_conv_equals_reference(data, seed):
     draw = data.draw
     gen = torch.Generator().manual_seed(seed)
     mode = draw(st.sampled_from(["spec", "decode", "prefill"]), label="mode")
     dt = draw(st.sampled_from(DTYPES), label="inputs dtype")
     sdt = draw(st.sampled_from([dt] + DTYPES), label="state dtype")
-    C, exact = channels(data, dt)
+    C = draw(st.sampled_from([1, 3, 5, 16, 17]), label="C")
     K, d, Q = draw(st.integers(1, 4), label="K"), draw(st.integers(1, 3), label="d"), draw(st.integers(1, 3), label="Q")
     S = (K - 1) * d
     R = draw(st.integers(0, 5), label="R")
-    num_slots = R + 2
+    no_slots = draw(st.integers(0, 9), label="no slots") == 0         # every request on the null slot
+    num_slots = 0 if no_slots else R + 2
     null = draw(st.sampled_from([0, num_slots - 1, num_slots + 1, -1]), label="null slot")
     free = [s for s in range(num_slots) if s != null]
     order = draw(st.permutations(free), label="slot order")
-    slots = [null if draw(st.booleans(), label=f"null {r}") else order[r] for r in range(R)]
+    slots = [null if no_slots or draw(st.booleans(), label=f"null {r}") else order[r] for r in range(R)]
     if mode == "decode":
         lens = [1] * R
     elif mode == "spec":
@@ -181,20 +95,21 @@ def test_ple_conv_equals_per_request_loop(data, seed):
     if 0 <= null < num_slots:
         view(buf)[null] = float("nan")          # outputs must not depend on it, and it must not change
     state_indices = torch.tensor(slots, dtype=idx)
-    validate = draw(st.booleans(), label="validate")
     note(dict(lens=lens, slots=slots, C=C, K=K, d=d, Q=Q, W=W))
 
     want_res, want_buf = residual.clone(), buf.clone()
-    loop_ple_conv(inputs, want_res, view(want_buf), w, state_indices, **kw)
-    ple_conv(inputs, residual, view(buf), w, state_indices, validate=validate, **kw)
-    assert_outputs_equal(residual, want_res, exact, "residual")
+    reference.ple_conv(inputs, want_res, view(want_buf), w, state_indices,
+                       validate=draw(st.booleans(), label="validate (reference)"), **kw)
+    vectorized.ple_conv(inputs, residual, view(buf), w, state_indices,
+                        validate=draw(st.booleans(), label="validate (vectorized)"), **kw)
+    assert_bitwise_equal(residual, want_res, name="residual")
     assert_bitwise_equal(buf, want_buf, name="state buffer")
 
 
 # ---- export_conv_checkpoints -------------------------------------------------------------------------
 @settings(max_examples=100)
 @given(data=st.data(), seed=st.integers(0, 2**31))
-def test_export_equals_per_request_loop(data, seed):
+def test_vectorized_export_equals_reference(data, seed):
     draw = data.draw
     gen = torch.Generator().manual_seed(seed)
     dt, sdt = draw(st.sampled_from(DTYPES), label="inputs dtype"), draw(st.sampled_from(DTYPES), label="state dtype")
@@ -224,6 +139,8 @@ def test_export_equals_per_request_loop(data, seed):
         view(buf)[null] = float("nan")
     note(dict(lens=lens, offs=offs, slots=sl, null=null))
     want = buf.clone()
-    loop_export(inputs, view(want), **kw)
-    export_conv_checkpoints(inputs, view(buf), validate=draw(st.booleans(), label="validate"), **kw)
+    reference.export_conv_checkpoints(inputs, view(want), validate=draw(st.booleans(), label="validate (reference)"),
+                                      **kw)
+    vectorized.export_conv_checkpoints(inputs, view(buf), validate=draw(st.booleans(), label="validate (vectorized)"),
+                                       **kw)
     assert_bitwise_equal(buf, want, name="state buffer")

@@ -7,6 +7,7 @@ import types
 
 import pytest
 import torch
+from _tier import examples
 
 import ple
 from ple import reference as ref
@@ -16,14 +17,22 @@ from ple.testing import (
     check_embedding_lookup,
     check_export_conv_checkpoints,
     check_layer,
+    check_ngram_embedding,
     check_ngram_ids,
     check_ple_conv,
     check_ple_gate,
+    check_ple_prefill,
 )
 
-CHECKS = {"ngram_ids": check_ngram_ids, "embedding_lookup": check_embedding_lookup, "ple_gate": check_ple_gate,
-          "ple_conv": check_ple_conv, "export_conv_checkpoints": check_export_conv_checkpoints,
-          "dilated_causal_conv": check_dilated_causal_conv}
+CHECKS = {"ngram_ids": check_ngram_ids, "embedding_lookup": check_embedding_lookup,
+          "ngram_embedding": check_ngram_embedding, "ple_gate": check_ple_gate, "ple_conv": check_ple_conv,
+          "export_conv_checkpoints": check_export_conv_checkpoints, "dilated_causal_conv": check_dilated_causal_conv,
+          "ple_prefill": check_ple_prefill}
+
+
+def test_the_kit_has_a_check_per_op():
+    assert set(CHECKS) == set(OP_NAMES)
+    assert {f"check_{n}" for n in OP_NAMES} | {"check_layer", "poisoned_empty"} == set(ple.testing.__all__)
 
 
 @pytest.mark.parametrize("op", list(CHECKS))
@@ -31,12 +40,20 @@ def test_reference_passes_its_own_check(op):
     CHECKS[op](getattr(ref, op), max_examples=8)
 
 
+@pytest.mark.parametrize("op", list(CHECKS))
+def test_torch_backend_passes(op):
+    kw = dict(exact_states=True) if op == "ple_prefill" else {}    # composed ops: states bit for bit in every dtype
+    CHECKS[op](getattr(ple.vectorized, op), max_examples=8, **kw)
+
+
 @pytest.mark.interpreter
 @pytest.mark.parametrize("op", list(CHECKS))
 def test_fast_ops_pass(op):
     from ple import fast
-    kw = dict(max_examples=4)
-    if op != "ngram_ids":
+    kw = dict(max_examples=examples(2))
+    if op == "ple_prefill":
+        kw.update(max_examples=examples(2), max_hidden=24, max_requests=2)
+    elif op != "ngram_ids":
         kw["max_channels" if op in ("ple_conv", "export_conv_checkpoints", "dilated_causal_conv") else
            "max_hidden" if op == "ple_gate" else "max_dim"] = 70
     CHECKS[op](getattr(fast, op), **kw)
@@ -110,14 +127,16 @@ def reference_copy(**replace):
 def test_layer_on_custom_ops_runs_them():
     calls = []
 
-    def gate(*a, **kw):
-        calls.append("gate")
-        return ref.ple_gate(*a, **kw)
+    def counted(name):
+        def op(*a, **kw):
+            calls.append(name)
+            return getattr(ref, name)(*a, **kw)
+        return op
     config = ple.PLEConfig.preset("tiny")
-    layer = ple.PLELayer(config, ops=reference_copy(ple_gate=gate))
-    assert layer.backend == "custom" and "gate" not in calls
+    layer = ple.PLELayer(config, ops=reference_copy(**{n: counted(n) for n in OP_NAMES}))
+    assert layer.backend == "custom" and not calls
     layer(torch.randn(1, 3, config.hc_hidden_size), torch.tensor([[1, 2, 3]]))
-    assert calls == ["gate"]
+    assert calls == ["ngram_embedding", "ple_prefill"]            # the forward is the two fused entry points
     layer.set_backend("reference")
     assert layer.backend == "reference" and layer.ops is ref
 
@@ -138,4 +157,4 @@ def test_check_layer_passes_on_reference_and_catches_a_planted_prefill():
 @pytest.mark.interpreter
 def test_check_layer_passes_on_fast_ops():
     from ple import fast
-    check_layer(fast, max_examples=1, max_hidden=12)
+    check_layer(fast, max_examples=examples(1), max_hidden=12)

@@ -2,14 +2,31 @@
 
 ``check_<op>(fn, **options)`` drives ``fn`` (the signature of ``ple.reference.<op>``) through a
 Hypothesis property against the reference and returns quietly, or raises ``AssertionError``
-naming the smallest failing case and the first wrong element. ``check_layer(ops)`` checks
-``PLELayer(config, ops=ops)`` whole. All are usable inside your own pytest tests.
+naming the smallest failing case and the first wrong element: one per op of
+``ple.backends.OP_NAMES`` (``check_ngram_ids``, ``check_embedding_lookup``,
+``check_ngram_embedding``, ``check_ple_gate``, ``check_ple_conv``,
+``check_export_conv_checkpoints``, ``check_dilated_causal_conv``, ``check_ple_prefill``).
+``check_layer(ops)`` checks ``PLELayer(config, ops=ops)`` whole (forward, gradients, a serving
+replay with prefill-only and mixed steps). ``poisoned_empty`` is the NaN-poisoning context
+manager the checks run the function under. All are usable inside your own pytest tests.
+
+Modules: ``ops`` (hashing, lookups, the gate, the training conv), ``conv`` (the serving conv
+and checkpoints), ``prefill`` (the fused prefill), ``layer``; ``_report`` (the comparisons and
+failure messages).
 """
 
 from ._report import poisoned_empty
 from .conv import check_export_conv_checkpoints, check_ple_conv
 from .layer import check_layer
-from .ops import check_dilated_causal_conv, check_embedding_lookup, check_ngram_ids, check_ple_gate
+from .ops import (
+    check_dilated_causal_conv,
+    check_embedding_lookup,
+    check_ngram_embedding,
+    check_ngram_ids,
+    check_ple_gate,
+)
+from .prefill import check_ple_prefill
 
-__all__ = ["check_ngram_ids", "check_embedding_lookup", "check_ple_gate", "check_ple_conv",
-           "check_export_conv_checkpoints", "check_dilated_causal_conv", "check_layer", "poisoned_empty"]
+__all__ = ["check_ngram_ids", "check_embedding_lookup", "check_ngram_embedding", "check_ple_gate", "check_ple_conv",
+           "check_export_conv_checkpoints", "check_dilated_causal_conv", "check_ple_prefill", "check_layer",
+           "poisoned_empty"]

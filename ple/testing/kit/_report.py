@@ -51,9 +51,23 @@ def _fail(name: str, idx: tuple, where: Callable[[tuple], str], got: torch.Tenso
                          f"{extra}\n  case: {fmt_case(case)}")
 
 
+def _present(got, want, name: str, case: dict, none_is_zero: bool = False) -> bool:
+    """``got`` must be a tensor where the reference has one; with ``none_is_zero`` (gradients) None, autograd
+    not reaching the input, stands for zeros: accepted where the reference's is all zero. True: nothing more
+    to compare."""
+    if none_is_zero and got is None and isinstance(want, torch.Tensor) and not bool((want != 0).any()):
+        return True                    # autograd not reaching an input whose gradient is all zero (e.g. no rows)
+    if not isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor):
+        what = "none was computed (autograd did not reach it)" if got is None else f"got a {type(got).__name__}"
+        raise AssertionError(f"{name}: {what}, expected {tuple(want.shape)} {want.dtype}\n  case: {fmt_case(case)}")
+    return False
+
+
 def compare_bits(got: torch.Tensor, want: torch.Tensor, *, name: str, where: Callable[[tuple], str],
                  case: dict) -> None:
     """Bit for bit (NaN payloads included); the first differing element is reported."""
+    if _present(got, want, name, case):
+        return
     got, want = got.detach().cpu(), want.detach().cpu()
     if got.shape != want.shape or got.dtype != want.dtype:
         raise AssertionError(f"{name}: got {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} "
@@ -69,11 +83,14 @@ def compare_bits(got: torch.Tensor, want: torch.Tensor, *, name: str, where: Cal
 
 
 def compare_close(got: torch.Tensor, want: torch.Tensor, exact64: torch.Tensor | None, *, name: str,
-                  where: Callable[[tuple], str], case: dict, judge64: bool = False) -> None:
+                  where: Callable[[tuple], str], case: dict, judge64: bool = False, grad: bool = False) -> None:
     """The tolerance table (SPEC section 8): float32 / float64 elementwise; bfloat16 / float16 against
     the float64 run ``exact64`` (the fast error at most ``factor`` x the reference's own + ``atol`` x scale).
     ``judge64``: float32 judged the same way (against ``exact64``, with float32's ``atol``), for
-    ill-conditioned cases (a gate score near zero). A NaN where the reference has none is always a failure."""
+    ill-conditioned cases (a gate score near zero). A NaN where the reference has none is always a failure.
+    ``grad``: ``got`` is a gradient; None (autograd did not reach the input) passes where ``want`` is all zero."""
+    if _present(got, want, name, case, grad):
+        return
     got, want = got.detach().cpu(), want.detach().cpu()
     if got.shape != want.shape or got.dtype != want.dtype:
         raise AssertionError(f"{name}: got {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} "

@@ -1,16 +1,25 @@
 """`check_layer`: a whole `PLELayer` on the user's ops against the reference layer.
 
-Three parts, each over Hypothesis-drawn configs (channels beyond one tile: C up to a few
-hundred, odd sizes; K 1..5; two PLE layers):
+The layer calls the same ops in the same order on every backend, so this exercises the
+user's entry points whole, fused ones included. Three parts, each over Hypothesis-drawn
+configs (channels beyond one tile: C up to a few hundred, odd sizes; K 1..5; two PLE layers):
 
-* **forward**: ``layer(hidden, ids, mask)`` with left / right padding, judged against a
-  float64 run of the reference layer (the fast error at most twice the reference's own,
-  plus a floor: SPEC section 8's rule for ill-conditioned gates, used throughout here);
-* **gradients** of the hidden states and of every parameter, judged the same way;
-* **serving**: a random serving script (chunked prefills, decodes, spec steps with random
-  acceptance, slot reuse) through ``layer.step`` on a ``PLECache``: every conv state equal
-  bit for bit to the layer's own last S conv inputs after every step, and every accepted
-  token's output equal to the reference layer's forward over its whole sequence.
+* **forward**: ``layer(hidden, ids, mask)`` with left / right padding, which runs the ops'
+  ``ngram_embedding`` (hash and gather), the projections, then ``ple_prefill`` (gate, the
+  padding mask as ``keep``, conv from zero history, both adds); judged against a float64 run of
+  the reference layer (the fast error at most twice the reference's own, plus a floor: SPEC
+  section 8's rule for ill-conditioned gates, used throughout here);
+* **gradients** of the hidden states and of every parameter (through ``ple_prefill``'s and
+  ``ngram_embedding``'s autograd), judged the same way;
+* **serving**: a script through ``layer.step`` on a ``PLECache`` (float32, every PLE layer of
+  the config chained): a fixed opening that has every kind of step (prefill-only steps, which
+  run the ops' ``ple_prefill`` on the cache's conv states, from fresh slots and from carried
+  states, one with a chunk shorter than S and one right after a spec step; mixed steps, which
+  run ``ple_gate`` then a ``ple_conv`` per mode: decode + prefill and prefill + spec with
+  partial acceptance), then random traffic (chunked prefills, decodes, spec steps with random
+  acceptance, appends after spec, slot reuse). After every step every conv state must equal
+  bit for bit the layer's own last S conv inputs, and every accepted token's output must equal
+  the reference layer's forward over its whole sequence.
 """
 
 from __future__ import annotations
@@ -24,12 +33,12 @@ from hypothesis import strategies as st
 from ...config import PLEConfig
 from ...state import PLECache
 from ..layers import random_layer
-from ..serving import check_replay, random_script, replay
+from ..serving import Action, check_replay, random_script, replay
 from ..strategies import configs
 from ._report import compare_close, fmt_case
 from .conv import _seeded, _settings
 
-__all__ = ["check_layer"]
+__all__ = ["check_layer", "serving_script"]
 
 
 def _layers(config, ops, dtype, seed, num_layers):
@@ -46,6 +55,33 @@ def _layers(config, ops, dtype, seed, num_layers):
         refs.append(base)
         r64.append(b)
     return mine, refs, r64
+
+
+def serving_script(config: PLEConfig, seed: int) -> list:
+    """The serving part's script: a fixed opening with every kind of step, then random traffic.
+
+    The opening (requests 1000 and 1001, both finished before the random part starts, so its
+    requests reuse their slots): prefill-only on fresh slots; prefill-only with initial states
+    (one chunk of a single token, shorter than any S > 1); decode + prefill; prefill + spec
+    (3 tokens, 2 accepted); prefill-only right after that spec (a realigned window); a decode.
+    """
+    rng = random.Random(seed)
+
+    def toks(n):
+        return tuple(config.eos_token_id if rng.random() < 0.1 else rng.randrange(config.vocab_size)
+                     for _ in range(n))
+    a, b, S = 1000, 1001, config.conv_state_len
+    opening = [
+        [Action(a, "prefill", toks(5)), Action(b, "prefill", toks(2))],
+        [Action(b, "prefill", toks(1)), Action(a, "prefill", toks(S + 2))],
+        [Action(b, "decode", toks(1)), Action(a, "prefill", toks(3))],
+        [Action(a, "prefill", toks(2)), Action(b, "spec", toks(3), 2)],
+        [Action(b, "prefill", toks(2)), Action(a, "prefill", toks(1), finish=True)],
+        [Action(b, "decode", toks(1), finish=True)],
+    ]
+    return opening + random_script(rng, vocab_size=config.vocab_size, eos_token_id=config.eos_token_id,
+                                   num_requests=4, max_live=3, max_prompt=12, max_chunk=5, max_generate=4,
+                                   num_spec_tokens=2, eos_rate=0.1, append_rate=0.2)
 
 
 @st.composite
@@ -96,9 +132,7 @@ def check_one_layer(ops, case: dict, *, grad: bool = True, serving: bool = True)
         n = config.num_ple_layers
         mine, refs, _ = _layers(config, ops, torch.float32, case["seed"], n)
         cache = PLECache(config, num_slots=4, num_spec_tokens=2, num_layers=n, dtype=torch.float32)
-        script = random_script(random.Random(case["script_seed"]), vocab_size=config.vocab_size,
-                               eos_token_id=config.eos_token_id, num_requests=4, max_live=3, max_prompt=12,
-                               max_chunk=5, max_generate=4, num_spec_tokens=2, eos_rate=0.1, append_rate=0.2)
+        script = serving_script(config, case["script_seed"])
         try:
             with torch.no_grad():
                 res = replay(mine, cache, script, generator=torch.Generator().manual_seed(case["seed"]))
@@ -109,9 +143,15 @@ def check_one_layer(ops, case: dict, *, grad: bool = True, serving: bool = True)
 
 def check_layer(ops, *, dtypes=(torch.float32, torch.bfloat16), max_hidden: int = 40, grad: bool = True,
                 serving: bool = True, max_examples: int = 10, seed: int | None = 0) -> None:
-    """Check ``PLELayer(config, ops=ops)`` whole against the reference layer: forward, gradients (``grad``)
-    and a serving replay (``serving``, in float32). ``ops`` is any object with the op names of
-    ``ple.backends.OP_NAMES``. Returns quietly or raises ``AssertionError`` naming the smallest case."""
+    """Check ``PLELayer(config, ops=ops)`` whole against the reference layer (see the module docstring).
+
+    ``ops`` is any object with the op names of ``ple.backends.OP_NAMES``. The forward (through
+    ``ngram_embedding`` and ``ple_prefill``) in each of ``dtypes``, its gradients (``grad``) and
+    a serving replay (``serving``, float32: prefill-only steps through ``ple_prefill`` with the
+    cache's states, mixed steps through ``ple_gate`` + ``ple_conv``). ``max_hidden`` bounds the
+    stream width; ``max_examples`` cases, ``seed`` fixes the draw (None: Hypothesis's own
+    randomness). Returns quietly or raises ``AssertionError`` naming the part and the smallest
+    case."""
     @given(case=_layer_cases(dtypes, max_hidden))
     @_settings(max_examples, seed)
     def prop(case):

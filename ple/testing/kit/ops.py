@@ -1,8 +1,10 @@
-"""`check_ngram_ids`, `check_embedding_lookup`, `check_ple_gate`, `check_dilated_causal_conv`.
+"""`check_ngram_ids`, `check_ngram_embedding`, `check_embedding_lookup`, `check_ple_gate`, `check_dilated_causal_conv`.
 
 Each drives the user's function through a Hypothesis property against ``ple.reference``:
 outputs by the tolerance table (bfloat16 against a float64 reference run), integer results
-and gradients' shapes exactly, gradients of every differentiable input by the same table.
+and gathered rows (``embedding_lookup``, ``ngram_embedding``: copies) bit for bit, gradients
+of every differentiable input by the same table (None, autograd not reaching an input, passes
+only where the reference's gradient is all zero).
 Sizes go beyond one tile and are often odd; index tensors are int32 or int64; fresh buffers
 are NaN-poisoned while the function runs. A failure raises ``AssertionError`` naming the
 smallest case, the element (request, row, channel, head) and both values.
@@ -22,7 +24,8 @@ from ..strategies import configs, varlen_batches
 from ._report import compare_bits, compare_close, poisoned_empty, row_of
 from .conv import DTYPES, _randn, _seeded, _settings, _to64
 
-__all__ = ["check_ngram_ids", "check_embedding_lookup", "check_ple_gate", "check_dilated_causal_conv"]
+__all__ = ["check_ngram_ids", "check_ngram_embedding", "check_embedding_lookup", "check_ple_gate",
+           "check_dilated_causal_conv"]
 
 
 def _prop(strategy, body, max_examples, seed):
@@ -40,8 +43,12 @@ def _grads(fn, inputs: dict, wrt: list[str], g_out, **kw):
     out = fn(*leaves.values(), **kw)
     outs = out if isinstance(out, tuple) else (out,)
     gs = g_out(outs)
-    grads = torch.autograd.grad(outs, [leaves[k] for k in wrt], gs, allow_unused=True)
-    return tuple(o.detach() for o in outs), dict(zip(wrt, grads, strict=True))
+    live = [(o, g) for o, g in zip(outs, gs, strict=False) if isinstance(o, torch.Tensor) and o.requires_grad]
+    grads = (None,) * len(wrt)                    # an output autograd does not reach: no gradient (reported)
+    if wrt and live:
+        grads = torch.autograd.grad([o for o, _ in live], [leaves[k] for k in wrt], [g for _, g in live],
+                                    allow_unused=True)
+    return tuple(o.detach() if isinstance(o, torch.Tensor) else o for o in outs), dict(zip(wrt, grads, strict=True))
 
 
 # ---- ngram_ids ------------------------------------------------------------------------------------
@@ -74,6 +81,66 @@ def check_ngram_ids(fn: Callable, *, max_examples: int = 25, max_requests: int =
                      where=lambda idx: f"{row_of(starts, idx[0])}, head {idx[1]} "
                                        f"(n-gram {idx[1] // c.heads_per_ngram + 2})")
     _prop(_ngram_cases(max_requests), body, max_examples, seed)
+
+
+# ---- ngram_embedding ------------------------------------------------------------------------------
+
+@st.composite
+def _ngram_embedding_cases(draw, dtypes, max_requests, max_dim):
+    case = draw(_ngram_cases(max_requests))
+    case.update(dtype=draw(st.sampled_from(list(dtypes))),
+                D=draw(st.one_of(st.just(None), st.integers(1, max_dim), st.sampled_from([128, 160]))),
+                extra_rows=draw(st.sampled_from([0, 0, 1, 7])), strided=draw(st.booleans()),
+                column_ids=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)))
+    return case
+
+
+def check_ngram_embedding(fn: Callable, *, dtypes=(torch.float32, torch.bfloat16, torch.float64), max_dim: int = 200,
+                          max_requests: int = 4, grad: bool = True, max_examples: int = 25,
+                          seed: int | None = 0) -> None:
+    """Check ``fn`` (the signature of ``ple.reference.ngram_embedding``): the ``[T, NH * D]`` rows bit for bit
+    (hashing then a gather: a copy), and with ``grad`` the table's gradient by the tolerance table.
+
+    Cases: varlen batches (empty requests included, EOS-heavy), with and without ``ngram_context``,
+    int32 / int64 ids (sometimes a strided column), offsets and contexts, two PLE layers' hash
+    parameters, table widths D from the config's to beyond a tile, tables with spare rows or a
+    strided column slice, in each of ``dtypes``.
+    """
+    def body(case):
+        c: PLEConfig = case["config"]
+        params = ref.hash_params(c, case["ple_layer_index"])
+        ix, idt = case["index_dtype"], case["ids_dtype"]
+        kw = dict(heads_per_ngram=c.heads_per_ngram, eos_token_id=c.eos_token_id,
+                  query_start_loc=torch.tensor(case["query_start_loc"], dtype=ix),
+                  ngram_context=None if case["context"] is None else torch.tensor(case["context"], dtype=idt).reshape(
+                      -1, c.context_len))
+        g = torch.Generator().manual_seed(case["seed"])
+        D = case["D"] or c.ngram_head_dim
+        rows = params.num_rows + case["extra_rows"]
+        weight = _randn((rows, D + 2) if case["strided"] else (rows, D), case["dtype"], g)[:, :D]
+        ids = torch.tensor(case["input_ids"], dtype=idt)
+        if case["column_ids"]:
+            ids = torch.stack([ids, torch.zeros_like(ids)], 1)[:, 0]
+        heads = ref.ngram_ids(ids, params, **kw)
+        up = _randn((ids.numel(), heads.shape[1] * D), case["dtype"], g)
+        wrt = ["weight"] if grad else []
+        (want,), gw = _grads(ref.ngram_embedding, dict(weight=weight, input_ids=ids, params=params), wrt,
+                             lambda outs: (up,), **kw)
+        with poisoned_empty():
+            (got,), gg = _grads(fn, dict(weight=weight, input_ids=ids, params=params), wrt, lambda outs: (up,), **kw)
+        starts, P = case["query_start_loc"], c.heads_per_ngram
+        compare_bits(got, want, name="ngram_embedding: output", case=case,
+                     where=lambda idx: f"{row_of(starts, idx[0])}, head {idx[1] // D} (n-gram {idx[1] // D // P + 2}, "
+                                       f"table row {heads[idx[0], idx[1] // D].item()}), column {idx[1] % D}")
+        if grad:
+            exact = None
+            if case["dtype"] in (torch.bfloat16, torch.float16):
+                _, g64 = _grads(ref.ngram_embedding, dict(weight=_to64(weight), input_ids=ids, params=params), wrt,
+                                lambda outs: (_to64(up),), **kw)
+                exact = g64["weight"]
+            compare_close(gg["weight"], gw["weight"], exact, name="ngram_embedding: weight gradient", case=case,
+                          grad=True, where=lambda idx: f"table row {idx[0]}, column {idx[1]}")
+    _prop(_ngram_embedding_cases(dtypes, max_requests, max_dim), body, max_examples, seed)
 
 
 # ---- embedding_lookup -----------------------------------------------------------------------------
@@ -110,7 +177,7 @@ def check_embedding_lookup(fn: Callable, *, dtypes=DTYPES, max_dim: int = 200, g
                                 lambda outs: (_to64(up),))
                 exact = g64["weight"]
             compare_close(gg["weight"], gw["weight"], exact, name="embedding_lookup: weight gradient", case=case,
-                          where=lambda idx: f"table row {idx[0]}, column {idx[1]}")
+                          grad=True, where=lambda idx: f"table row {idx[0]}, column {idx[1]}")
     _prop(_lookup_cases(dtypes, max_dim), body, max_examples, seed)
 
 
@@ -159,14 +226,14 @@ def check_ple_gate(fn: Callable, *, dtypes=DTYPES, max_hidden: int = 300, grad: 
             w = where if gw[k].dim() == 2 and k != "value" else (
                 (lambda idx: f"token {idx[0]}, channel {idx[1]}") if k == "value" else
                 (lambda idx: f"channel {idx[0]} (stream {idx[0] // H})"))
-            compare_close(gg[k], gw[k], g64.get(k), name=f"ple_gate: gradient of {k}", where=w, case=case,
+            compare_close(gg[k], gw[k], g64.get(k), name=f"ple_gate: gradient of {k}", where=w, case=case, grad=True,
                           judge64=ill)
     _prop(_gate_cases(dtypes, max_hidden), body, max_examples, seed)
 
 
 def _scores(inputs: dict, H: int, eps: float) -> torch.Tensor:
     """The gate scores ``s[t, m]`` in float64 (SPEC section 4)."""
-    x = {k: v.detach().double() for k, v in inputs.items()}
+    x = {k: v.detach().double() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
     kn = ref.grouped_rms_norm(x["key"], x["norm_key_weight"], H, eps).unflatten(1, (-1, H))
     qn = ref.grouped_rms_norm(x["hidden_states"], x["norm_query_weight"], H, eps).unflatten(1, (-1, H))
     return (kn * qn).sum(-1) / H**0.5
@@ -216,8 +283,8 @@ def check_dilated_causal_conv(fn: Callable, *, dtypes=DTYPES, max_channels: int 
         compare_close(got, want, exact[0], name="dilated_causal_conv: output", where=where, case=case)
         if grad:
             compare_close(gg["x"], gw["x"], g64.get("x"), name="dilated_causal_conv: gradient of x", where=where,
-                          case=case)
-            compare_close(gg["weight"], gw["weight"], g64.get("weight"), case=case,
+                          grad=True, case=case)
+            compare_close(gg["weight"], gw["weight"], g64.get("weight"), case=case, grad=True,
                           name="dilated_causal_conv: gradient of weight",
                           where=lambda idx: f"channel {idx[0]}, tap {idx[1]}")
     _prop(_dcc_cases(dtypes, max_channels), body, max_examples, seed)

@@ -1,5 +1,5 @@
-"""With ``validate=False`` the reference ops turn no tensor into a Python value (SPEC section 7: a
-serving step makes no device-to-host synchronisation), and they trace under
+"""With ``validate=False`` the ``"torch"`` backend's ops (``ple.vectorized``) turn no tensor into a Python
+value (SPEC section 7: a serving step makes no device-to-host synchronisation), and they trace under
 ``torch.compile(fullgraph=True)``; with ``validate=True`` (the default) the value checks still run.
 
 On the CPU, `count_host_conversions` sees every Python-level conversion (``.item``, ``.tolist``,
@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from ple import PRESETS
-from ple.reference import (
+from ple.testing.conversions import count_host_conversions
+from ple.testing.numerics import assert_bitwise_equal
+from ple.vectorized import (
     dilated_causal_conv,
     embedding_lookup,
     export_conv_checkpoints,
@@ -21,8 +23,6 @@ from ple.reference import (
     ngram_ids,
     ple_conv,
 )
-from ple.testing.conversions import count_host_conversions
-from ple.testing.numerics import assert_bitwise_equal
 
 CONFIG = PRESETS["tiny"]
 C, K, D = 6, 3, 2

@@ -1,0 +1,33 @@
+"""``embedding_lookup`` as one ``F.embedding`` gather, and ``ngram_embedding``, its composition with
+``ngram_ids`` (SPEC section 7)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import _checks
+from .. import reference as _reference
+from ..backends import twin
+from ..reference.hashing import HashParams
+from .hashing import ngram_ids
+
+__all__ = ["embedding_lookup", "ngram_embedding"]
+
+
+@twin(_reference.embedding_lookup)
+def embedding_lookup(weight: torch.Tensor, ids: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
+    (_checks.lookup_call if validate else _checks.lookup_meta)(weight, ids)
+    (T, NH), D = ids.shape, weight.shape[1]
+    return F.embedding(ids.long(), weight).reshape(T, NH * D)
+
+
+@twin(_reference.ngram_embedding)
+def ngram_embedding(weight: torch.Tensor, input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: int,
+                    eos_token_id: int, query_start_loc: torch.Tensor | None = None,
+                    ngram_context: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
+    _checks.ngram_meta(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context,
+                       weight=weight)
+    ids = ngram_ids(input_ids, params, heads_per_ngram=heads_per_ngram, eos_token_id=eos_token_id,
+                    query_start_loc=query_start_loc, ngram_context=ngram_context, validate=validate)
+    return embedding_lookup(weight, ids, validate=False)             # rows of our own hash lie in the table

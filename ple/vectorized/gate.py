@@ -1,0 +1,130 @@
+"""Grouped RMS norms and the signed-sqrt gate (SPEC section 4), with the reference's rounding points.
+
+The ops and their order are the reference's (``ple.reference.gate``), so results are the same bit
+for bit in every dtype; what differs is how many passes over ``[T, C]`` they take and how large
+their temporaries are:
+
+* a norm is ``xf = x.to(acc)``, ``xf * xf``, the group sum (``sum(-1)``, the kernel ``mean`` runs on
+  the CPU, then the same division by ``H``), ``xf * r``, ``* (1 + w)``, the cast to the input dtype:
+  no ``pow``, no mixed-dtype op (``bf16 * fp32`` takes an unvectorised path on the CPU, ~10x
+  slower), and, when nothing records autograd, the scale is applied in place and the cast writes
+  straight into the output;
+* the score's product ``kn * qn`` (rounded to the model dtype) is made once and summed in float32;
+* the gated value is one broadcast product ``g[:, :, None] * value[:, None, :]``.
+
+Every op is per token, so when nothing records autograd (and nothing is being compiled) the
+tokens are processed in blocks of `block_rows` rows: each float32 temporary is then ~2 MiB
+and stays in cache, where a whole-batch one (16 MiB at T = C = 2048) would be a fresh allocation
+the CPU's allocator maps and page-faults in on every call (about 10x slower). Blocks change no
+bit (every reduction is within a token).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import _checks
+from .. import reference as _reference
+from ..backends import twin
+from ..reference.gate import GATE_CLAMP, acc_dtype
+
+__all__ = ["ple_gate", "grouped_rms_norm", "records_grad", "block_rows"]
+
+BLOCK_BYTES = 1 << 21
+"""Target size of one float32 ``[rows, C]`` temporary of a blocked op (see the module docstring)."""
+
+
+def records_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records an op on ``tensors`` (then only out-of-place ops are used)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def block_rows(T: int, C: int) -> int:
+    """Rows per block of a blocked op: ``T`` (one block) under ``torch.compile``, else ~`BLOCK_BYTES` of
+    float32 per ``[rows, C]`` temporary, a multiple of 64.
+
+    A multiple of 64 rows keeps every block's elements on the vector lanes they have in the whole
+    tensor: ATen's CPU loops run the last ``numel % (2 * lanes)`` elements through scalar code, whose
+    ``exp`` (``sigmoid``, ``silu``) may differ from the vector one in the last float32 bit, so a block
+    with its own scalar tail would not be the unblocked op bit for bit.
+    """
+    if torch.compiler.is_compiling():
+        return max(T, 1)
+    return max(64, BLOCK_BYTES // (4 * max(C, 1)) // 64 * 64)
+
+
+def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float, *,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """``ple.reference.grouped_rms_norm`` of a ``[T, C]`` ``x``, bit for bit, in fewer passes (see the module).
+
+    ``out`` (``[T, C]``, ``x``'s dtype; not with autograd) receives the result.
+    """
+    acc = acc_dtype(x.dtype)
+    T, C = x.shape
+    H = group_size
+    xf = x.to(acc).reshape(T, C // H, H)
+    scale = 1.0 + weight.to(acc)
+    if records_grad(x, weight):
+        r = torch.rsqrt((xf * xf).sum(-1, keepdim=True) / H + eps)
+        return ((xf * r).reshape(T, C) * scale).to(x.dtype)
+    sq = xf * xf
+    r = sq.sum(-1, keepdim=True).div_(H).add_(eps).rsqrt_()        # = rsqrt(mean(x^2) + eps): mean is sum / H
+    y = torch.mul(xf, r, out=sq).reshape(T, C)                      # the square's buffer, reused
+    y.mul_(scale)
+    if out is None:
+        return y if y.dtype == x.dtype else y.to(x.dtype)
+    return out.copy_(y)
+
+
+def scores_and_gates(key: torch.Tensor, hidden_states: torch.Tensor, norm_key_weight: torch.Tensor,
+                     norm_query_weight: torch.Tensor, group_size: int, eps: float):
+    """``(s, g)``, ``[T, M]`` in the input dtype: ``ple.reference.gate.stream_scores``, bit for bit."""
+    H = group_size
+    dt = key.dtype
+    T, C = key.shape
+    kn = grouped_rms_norm(key, norm_key_weight, H, eps).view(T, C // H, H)
+    qn = grouped_rms_norm(hidden_states, norm_query_weight, H, eps).view(T, C // H, H)
+    prod = kn * qn                                                  # rounded to the model dtype, as the model
+    s = prod.to(acc_dtype(dt)).sum(-1).to(dt)                       # sum in float32 (= sum(dtype=float32))
+    s = s / math.sqrt(H)
+    mag = s.abs().clamp_min(GATE_CLAMP).sqrt()
+    return s, torch.sigmoid(mag * s.sign())
+
+
+@twin(_reference.ple_gate)
+def ple_gate(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor,
+             norm_key_weight: torch.Tensor, norm_query_weight: torch.Tensor,
+             norm_conv_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    H = _checks.gate_call(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight,
+                          eps).group_size
+    return gate(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps, H)
+
+
+def _gate_block(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps, H,
+                gated=None, conv_input=None):
+    """The gate of a block of rows; ``gated`` / ``conv_input`` given: written there (no autograd)."""
+    T, C = key.shape
+    g = scores_and_gates(key, hidden_states, norm_key_weight, norm_query_weight, H, eps)[1]     # [T, M]
+    if gated is None:
+        gated = (g[:, :, None] * value[:, None, :]).view(T, C)
+    else:
+        torch.mul(g[:, :, None], value[:, None, :], out=gated.view(T, C // H, H))
+    return gated, grouped_rms_norm(gated, norm_conv_weight, H, eps, out=conv_input)
+
+
+def gate(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps, H):
+    """`ple_gate` after its checks: ``(gated, conv_input)``; in blocks of rows when nothing records autograd."""
+    T, C = key.shape
+    args = (norm_key_weight, norm_query_weight, norm_conv_weight, eps, H)
+    if records_grad(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight):
+        return _gate_block(key, value, hidden_states, *args)
+    n = block_rows(T, C)
+    if n >= T:
+        return _gate_block(key, value, hidden_states, *args)
+    gated, conv_input = key.new_empty(T, C), key.new_empty(T, C)
+    for a in range(0, T, n):
+        b = min(a + n, T)
+        _gate_block(key[a:b], value[a:b], hidden_states[a:b], *args, gated=gated[a:b], conv_input=conv_input[a:b])
+    return gated, conv_input

@@ -1,0 +1,223 @@
+"""The dilated depthwise causal convolution over whole sequences, for training (SPEC section 5).
+
+``y_t = silu( sum_{j=0..K-1} w[:, j] * x_{t - (K-1-j) * d} )`` inside each sequence, with
+zero history before its start; dense ``[B, L, C]`` or packed ``[T, C]`` cut by
+``cu_seqlens``. Rounding follows the model: the tap sum is accumulated in float32
+(``acc_dtype``) and rounded to the input dtype, then silu, rounded. The serving step over the
+same convolution is ``conv.ple_conv``.
+
+The tap sum is the reference's, term for term and in its order (``0 + w0 x + w1 x + ...``), but
+each tap is one multiply-add of a shifted *slice* of the whole input into a zeroed accumulator
+(no gathered copies, no validity masks). A tap skips the rows less than its lag from the start
+of the input, which is what adding the reference's zero term does. In a packed batch the rows
+near the start of every later sequence would read the sequence before; those rows, at most S
+per sequence boundary, are recomputed with the reference's masked gather and written over the
+whole-input result. So the sum is the reference's bit for bit in every dtype (in bfloat16, where
+every product is exact in float32, each tap is one ``addcmul_``; in float32 / float64, whose
+``addcmul`` may fuse the multiply-add and round once, a product and an add).
+
+Autograd: the tap sum is one ``autograd.Function`` whose backward is the same slice arithmetic
+(the input's gradient is the transposed tap sum, with the rows near the *end* of every sequence
+but the last recomputed; each tap's weight gradient is one product and one column sum, the
+cross-sequence rows zeroed), so no gathered copy or zero-filled slice gradient is made; the casts
+and silu around it are plain autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import _checks
+from .. import reference as _reference
+from ..backends import twin
+from ..reference.gate import acc_dtype
+
+__all__ = ["dilated_causal_conv", "tap_sum", "conv_activation"]
+
+
+def _lags(K: int, dilation: int) -> list[int]:
+    """Tap j reads the input ``lag_j = (K-1-j) * dilation`` rows back."""
+    return [(K - 1 - j) * dilation for j in range(K)]
+
+
+def _sequence_heads(cu: torch.Tensor, S: int, T: int):
+    """The first S rows of every sequence but the first: ``(rows [R-1, S], inside [R-1, S])``, ``inside`` false
+    for candidates past the sequence's end (their rows are another sequence's)."""
+    p = torch.arange(S, device=cu.device)
+    rows = cu[1:-1, None] + p
+    return rows, rows < cu[2:, None]
+
+
+def _sequence_tails(cu: torch.Tensor, S: int):
+    """The last S rows of every sequence but the last: ``(rows [R-1, S], inside [R-1, S])``, ``inside`` false
+    for candidates before the sequence's start."""
+    p = torch.arange(S, device=cu.device)
+    rows = cu[1:-1, None] - S + p
+    return rows, rows >= cu[:-2, None]
+
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def exact_products(*dtypes: torch.dtype) -> bool:
+    """Whether products of values of these dtypes are exact in float32 (bfloat16 / float16: at most 2 x 11
+    significant bits), so that a fused multiply-add rounds like a multiply then an add."""
+    return all(d in LOW_PRECISION for d in dtypes)
+
+
+def multiply_add_(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, exact: bool) -> torch.Tensor:
+    """``out += a * w`` with the product rounded first (the reference's ``out + w * a``): one ``addcmul_`` where
+    the product is exact (`exact_products`), else a product and an add (``addcmul`` may fuse them, rounding
+    once)."""
+    return out.addcmul_(a, w) if exact else out.add_(a * w)
+
+
+def tap_sum(xf: torch.Tensor, wt: torch.Tensor, dilation: int, cu: torch.Tensor | None = None, *,
+            exact: bool = False) -> torch.Tensor:
+    """``out[t] = 0 + sum_j wt[j] * xf[t - lag_j]`` over the time dim (-2) of ``xf`` (``[..., T, C]``, the
+    accumulation dtype), terms before the start of the row's sequence skipped; ``wt`` is ``[K, C]``;
+    ``cu`` (int64, packed ``[T, C]`` only) cuts the rows into sequences (None: one). ``exact``: see
+    `multiply_add_`."""
+    K = wt.shape[0]
+    T = xf.shape[-2]
+    lags = _lags(K, dilation)
+    fix = cu is not None and cu.numel() > 2 and lags[0] > 0 and T > 0
+    shape = list(xf.shape)
+    shape[-2] = T + fix                                                # + a scratch row for the fix
+    out = xf.new_zeros(shape)
+    for j, lag in enumerate(lags):
+        if lag < T:
+            multiply_add_(out[..., lag:T, :], xf[..., :T - lag, :], wt[j], exact)
+    if not fix:
+        return out
+    rows, inside = _sequence_heads(cu, lags[0], T)
+    p = torch.arange(lags[0], device=xf.device)
+    acc = xf.new_zeros(rows.numel(), xf.shape[1])
+    for j, lag in enumerate(lags):                                     # the reference's masked terms
+        valid = (p >= lag) & inside
+        src = torch.where(valid, rows - lag, 0).flatten()
+        acc = acc + wt[j] * xf.index_select(0, src) * valid.flatten()[:, None].to(xf.dtype)
+    return out.index_copy_(0, torch.where(inside, rows, T).flatten(), acc)[:T]
+
+
+def _tap_sum_transposed(g: torch.Tensor, wt: torch.Tensor, dilation: int, cu: torch.Tensor | None) -> torch.Tensor:
+    """The gradient of `tap_sum` with respect to ``xf``: ``gx[s] = sum_j wt[j] * g[s + lag_j]`` over the
+    terms inside ``s``'s sequence."""
+    K = wt.shape[0]
+    T = g.shape[-2]
+    lags = _lags(K, dilation)
+    fix = cu is not None and cu.numel() > 2 and lags[0] > 0 and T > 0
+    shape = list(g.shape)
+    shape[-2] = T + fix
+    gx = g.new_zeros(shape)
+    for j, lag in enumerate(lags):
+        if lag < T:
+            gx[..., :T - lag, :].addcmul_(g[..., lag:, :], wt[j])
+    if not fix:
+        return gx
+    S = lags[0]
+    rows, inside = _sequence_tails(cu, S)
+    ends = cu[1:-1, None]
+    acc = g.new_zeros(rows.numel(), g.shape[1])
+    for j, lag in enumerate(lags):
+        valid = (rows + lag < ends) & inside
+        src = torch.where(valid, rows + lag, 0).flatten()
+        acc = acc + wt[j] * g.index_select(0, src) * valid.flatten()[:, None].to(g.dtype)
+    return gx.index_copy_(0, torch.where(inside, rows, T).flatten(), acc)[:T]
+
+
+def _tap_weight_grad(g: torch.Tensor, xf: torch.Tensor, dilation: int, cu: torch.Tensor | None,
+                     K: int) -> torch.Tensor:
+    """The gradient of `tap_sum` with respect to ``wt``: ``gw[j] = sum_t g[t] * xf[t - lag_j]`` over the
+    terms inside ``t``'s sequence, ``[K, C]``."""
+    T, C = xf.shape[-2], xf.shape[-1]
+    lags = _lags(K, dilation)
+    gw = xf.new_zeros(K, C)
+    packed = cu is not None and cu.numel() > 2
+    for j, lag in enumerate(lags):
+        if lag >= T:
+            continue
+        if not packed or lag == 0:
+            prod = g[..., lag:, :] * xf[..., :T - lag, :]
+            gw[j] = prod.reshape(-1, C).sum(0)
+            continue
+        prod = xf.new_empty(T - lag + 1, C)                           # + a scratch row
+        torch.mul(g[lag:], xf[:T - lag], out=prod[:T - lag])
+        rows, inside = _sequence_heads(cu, lag, T)                     # rows t < start + lag: no term
+        prod.index_fill_(0, torch.where(inside & (rows >= lag), rows - lag, T - lag).flatten(), 0)
+        prod[T - lag].zero_()
+        gw[j] = prod.sum(0)
+    return gw
+
+
+class _TapSum(torch.autograd.Function):
+    """`tap_sum` with its backward written out (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx, xf, wt, dilation, cu, exact):
+        ctx.save_for_backward(xf, wt, cu)
+        ctx.dilation = dilation
+        return tap_sum(xf, wt, dilation, cu, exact=exact)
+
+    @staticmethod
+    def backward(ctx, g):
+        xf, wt, cu = ctx.saved_tensors
+        g = g.contiguous()
+        gx = _tap_sum_transposed(g, wt, ctx.dilation, cu) if ctx.needs_input_grad[0] else None
+        gw = _tap_weight_grad(g, xf, ctx.dilation, cu, wt.shape[0]) if ctx.needs_input_grad[1] else None
+        return gx, gw, None, None, None
+
+
+def conv_activation(out: torch.Tensor, dtype: torch.dtype, inplace: bool) -> torch.Tensor:
+    """``silu(out.to(dtype).to(acc)).to(dtype)``, the model's rounding: the sum, then silu, each rounded."""
+    if out.dtype == dtype:
+        return F.silu(out, inplace=inplace)
+    return F.silu(out.to(dtype))                  # computed in float32, rounded: what the reference's casts do
+
+
+@twin(_reference.dilated_causal_conv)
+def dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: int,
+                        cu_seqlens: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
+    (_checks.dense_conv_call if validate else _checks.dense_conv_meta)(x, weight, dilation, cu_seqlens)
+    return _conv(x, weight, dilation, cu_seqlens)
+
+
+def _conv_compiled(x: torch.Tensor, weight: torch.Tensor, dilation: int, cu: torch.Tensor | None) -> torch.Tensor:
+    """The conv as inductor fuses it best: one pointwise sum of K masked shifted products.
+
+    The input is zero-padded by a concatenation and the weights' columns stacked: both are buffers
+    inductor realises (a pad or a transposed view it would inline into every tap, recomputing the
+    whole gate that produced ``x`` K times and gathering the weights element by element: ~2x slower).
+    """
+    acc = acc_dtype(x.dtype)
+    K = weight.shape[1]
+    S = (K - 1) * dilation
+    time_dim = x.dim() - 2
+    T = x.shape[time_dim]
+    pos = torch.arange(T, device=x.device)
+    if cu is not None and cu.numel() > 2:
+        pos = pos - cu[torch.searchsorted(cu[1:], pos, right=True).clamp(max=cu.numel() - 2)]
+    pad = x.new_zeros(*x.shape[:time_dim], S, x.shape[-1])
+    xp = torch.cat([pad, x], time_dim)
+    wt = torch.stack(weight.to(acc).unbind(1))                           # [K, C]
+    out = x.new_zeros(x.shape, dtype=acc)
+    for j in range(K):
+        lag = (K - 1 - j) * dilation
+        term = xp.narrow(time_dim, S - lag, T).to(acc) * wt[j]
+        out = out + (torch.where((pos >= lag)[:, None], term, 0.0) if lag else term)
+    return F.silu(out.to(x.dtype).to(acc)).to(x.dtype)
+
+
+def _conv(x: torch.Tensor, weight: torch.Tensor, dilation: int, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    acc = acc_dtype(x.dtype)
+    if torch.compiler.is_compiling():
+        cu = cu_seqlens.to(torch.int64) if x.dim() == 2 and cu_seqlens is not None else None
+        return _conv_compiled(x, weight, dilation, cu)
+    xf = x.to(acc)
+    wt = weight.to(acc).t().contiguous()                             # [K, C]: each tap's weights contiguous
+    cu = cu_seqlens.to(torch.int64) if x.dim() == 2 and cu_seqlens is not None else None
+    exact = exact_products(x.dtype, weight.dtype)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return conv_activation(_TapSum.apply(xf, wt, dilation, cu, exact), x.dtype, inplace=False)
+    return conv_activation(tap_sum(xf, wt, dilation, cu, exact=exact), x.dtype, inplace=True)
