@@ -11,7 +11,8 @@ send). The halo sends at most ``(W - 1) * S * C`` elements per call whatever ``n
 the all-gather sends ``W * (W - 1) * n * C``.
 
 ``--layer`` runs the whole layer (`sp_forward`, tiny widths unless given) and
-reports every category (conv halo, token halo, table traffic with ``--sharded-table``).
+reports every category (conv halo, token halo, table traffic with ``--sharded-table``: the
+table row-sharded as a DTensor, its ``table_ids`` all-gather and ``table_rows`` reduce-scatter).
 
 Locally (CPU, gloo; W processes spawned per world size)::
 
@@ -152,15 +153,15 @@ def conv_cases(rank, W, args, device) -> list[dict]:
 def layer_cases(rank, W, args, device) -> list[dict]:
     """The whole layer (`sp_forward`, tiny widths): bytes per category per call, forward and backward."""
     import ple
-    from ple.distributed import Comm, ShardedPLELayer, even_bounds, sp_forward, sync_grads
+    from ple.distributed import Comm, even_bounds, parallelize_tables, sp_forward, sync_grads
 
     cfg = ple.PLEConfig.preset("tiny")
     dtype = torch.float32
     torch.manual_seed(0)
     layer = ple.PLELayer(cfg, backend="auto", device=device, dtype=dtype)
     comm = Comm()
-    if args.sharded_table:
-        layer = ShardedPLELayer.from_layer(layer, comm)
+    if args.sharded_table:                                   # the table a row-sharded DTensor on the group
+        layer = parallelize_tables(layer, comm, "row")
     C, S = cfg.hc_hidden_size, cfg.conv_state_len
     rows = []
     for n in args.tokens_per_rank:

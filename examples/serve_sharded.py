@@ -1,9 +1,13 @@
 """Serving with the PLE table sharded across ranks: each rank serves its own requests from its own cache.
 
     torchrun --nproc-per-node 2 examples/serve_sharded.py          # gloo on CPUs; NCCL on GPUs (LOCAL_RANK)
+    torchrun --nproc-per-node 2 examples/serve_sharded.py --table int8   # or fp8: a quantized table
 
 The table is a DTensor (``TableRowwise``, per-rank tokens: ``input_layouts=Shard(0)``), so
-each rank holds 1/W of it; the rest of the layer is replicated. Each rank schedules its
+each rank holds 1/W of its rows (``ceil(rows / W)``, the checkpoint layout's split); the rest
+of the layer is replicated. ``--table int8`` / ``fp8`` quantizes it first (``ple.quant``): the
+shard then holds the raw int8 / FP8 rows with their scales (per row, sharded alike; or one,
+replicated). Each rank schedules its
 own requests on its own ``PLECache`` (no rank keeps another's conv states) and steps them
 with ``layer.step``; every lookup is a collective, so a rank with nothing to do in a step
 joins it with ``join_table_lookup``. A random stream of prefill, decode and speculative
@@ -34,6 +38,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int_at_least(1), default=12)
     p.add_argument("--requests", type=int_at_least(1), default=2, help="requests per rank")
+    p.add_argument("--table", choices=["float", "int8", "fp8"], default="float", help="the table's storage")
     args = p.parse_args(argv)
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -52,6 +57,8 @@ def main(argv=None) -> int:
     with torch.no_grad():
         for w in (whole.norm_key.weight, whole.norm_query.weight, whole.norm_conv.weight, whole.conv1d.weight):
             w.normal_(0, 0.5)
+    if args.table != "float":
+        whole.ple_embedding.quantize_(args.table)
     layer = parallelize_tables(copy.deepcopy(whole), mesh, "row", input_layouts=Shard(0))
 
     rng = random.Random(rank)                                # each rank its own requests
@@ -92,8 +99,8 @@ def main(argv=None) -> int:
                         cache.accept(s[r], accepted)
     mismatches += not torch.equal(caches[0].conv_state(0), caches[1].conv_state(0))
     rows = layer.table.weight.to_local().shape[0]
-    sys.stdout.write(f"rank {rank}: {args.requests} requests of its own, {args.steps} steps ({idle} idle), table "
-                     f"rows {rows} of {layer.table.num_rows}; outputs and conv states "
+    sys.stdout.write(f"rank {rank}: {args.requests} requests of its own, {args.steps} steps ({idle} idle), "
+                     f"{layer.table.weight.dtype} table rows {rows} of {layer.table.num_rows}; outputs and conv states "
                      f"{'equal the whole-table layer bit for bit' if not mismatches else 'DIFFER'}\n")
     sys.stdout.flush()                                       # one write a line: ranks' lines do not interleave
     total = torch.tensor([mismatches], device=device)

@@ -32,6 +32,8 @@ from typing import NamedTuple
 
 import torch
 
+from .params import HashParams
+
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 Host = Mapping[str, Sequence[int]] | None
@@ -169,8 +171,6 @@ class NgramCall(NamedTuple):
 def ngram_meta(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context, *,
                weight=None) -> None:
     """Metadata of ``ngram_ids`` (and, with ``weight``, of ``ple.fast.ngram_embedding``)."""
-    from .reference.hashing import HashParams  # (the reference imports this module)
-
     index("input_ids", input_ids, ndim=1)
     if not isinstance(params, HashParams):
         raise TypeError(f"params: expected HashParams, got {type(params).__name__}")
@@ -446,3 +446,55 @@ def dense_conv_values(x, weight, dilation, cu_seqlens, *, host: Host = None) -> 
 
 
 dense_conv_call = _full_check(dense_conv_meta, dense_conv_values, "dilated_causal_conv")
+
+
+def prefill_meta(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
+                 conv_weights, *, dilation, query_start_loc, keep, conv_state, state_indices,
+                 has_initial_states, token_indices, null_slot) -> None:
+    """Metadata checks of a ``ple_prefill`` call (no tensor values are read)."""
+    gate_call(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps)
+    T = key.shape[0]
+    if keep is not None:
+        index("keep", keep, device=key.device, shape=(T,), kind="flag")
+    if conv_state is None:
+        for name, t in (("state_indices", state_indices), ("has_initial_states", has_initial_states),
+                        ("token_indices", token_indices)):
+            if t is not None:
+                raise ValueError(f"{name}: only for a serving prefill (with a conv_state); got one without")
+        if query_start_loc is None:
+            raise ValueError("query_start_loc: required")
+        dense_conv_meta(key, conv_weights, dilation, query_start_loc)
+        int_arg("null_slot", null_slot)
+    else:
+        if state_indices is None:
+            raise ValueError("state_indices: required with a conv_state")
+        ple_conv_meta(key, key, conv_state, conv_weights, state_indices, mode="prefill", dilation=dilation,
+                              query_start_loc=query_start_loc, has_initial_states=has_initial_states,
+                              num_accepted_tokens=None, spec_query_len=1, token_indices=token_indices,
+                              outer_residual=hidden_states, null_slot=null_slot)
+
+
+def prefill_values(key, conv_weights, *, dilation, query_start_loc, conv_state, state_indices,
+                   has_initial_states, token_indices, null_slot) -> None:
+    """Value checks of a ``ple_prefill`` call (offsets, index ranges, distinct slots and rows): host reads."""
+    if conv_state is None:
+        dense_conv_values(key, conv_weights, dilation, query_start_loc)
+    else:
+        ple_conv_values(key, key, conv_state, conv_weights, state_indices, mode="prefill",
+                                dilation=dilation, query_start_loc=query_start_loc,
+                                has_initial_states=has_initial_states, num_accepted_tokens=None,
+                                spec_query_len=1, token_indices=token_indices, outer_residual=None,
+                                null_slot=null_slot)
+
+
+def prefill_call(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
+                 conv_weights, *, dilation, query_start_loc, keep, conv_state, state_indices, has_initial_states,
+                 token_indices, null_slot) -> None:
+    """Validate a ``ple_prefill`` call: `prefill_meta`, then `prefill_values`."""
+    prefill_meta(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps, conv_weights,
+                 dilation=dilation, query_start_loc=query_start_loc, keep=keep, conv_state=conv_state,
+                 state_indices=state_indices, has_initial_states=has_initial_states, token_indices=token_indices,
+                 null_slot=null_slot)
+    prefill_values(key, conv_weights, dilation=dilation, query_start_loc=query_start_loc, conv_state=conv_state,
+                   state_indices=state_indices, has_initial_states=has_initial_states, token_indices=token_indices,
+                   null_slot=null_slot)

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _checks
+from .quant import gather_raw
 
 __all__ = ["offload_table", "is_offloaded", "start_prefetch", "start_fetch", "Prefetch"]
 
@@ -129,8 +130,6 @@ class Prefetch:
 def start_fetch(weight: torch.Tensor, weight_scale: torch.Tensor | None, ids: torch.Tensor,
                 device: torch.device) -> Prefetch:
     """Start gathering the stored rows of ``ids`` ``[T, NH]`` from ``weight`` and moving them to ``device``."""
-    from .table import gather_raw
-
     tdev = weight.device
     if device.type != "cuda" and tdev.type != "cuda":
         rows, scale = gather_raw(weight, weight_scale, ids.to(tdev), _unchecked_lookup)

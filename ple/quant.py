@@ -12,7 +12,7 @@ scheme    ``weight``          ``weight_scale``          scale
 ``int8``  int8                ``[rows, 1]`` float32     ``max|row| / 127``, per row
 ========  ==================  ========================  ==============================
 
-The table (``ple.table.QuantizedTable``) gathers *quantized* rows (``ple.table.gather_raw``:
+The table (``ple.table.QuantizedTable``) gathers *quantized* rows (``ple.quant.gather_raw``:
 raw bytes, so any gather kernel, e.g. ``ple.fast.embedding_lookup``, moves them bit for bit)
 and `dequantize_rows` turns them into the model dtype: ``(q.float() * scale).to(dtype)``,
 one rounding. The reference (`reference_lookup`) dequantizes the whole table first and
@@ -41,7 +41,7 @@ import torch
 
 __all__ = [
     "Scheme", "SCHEMES", "scheme_of", "as_scheme", "quantize", "fp8_scale", "dequantize", "dequantize_rows",
-    "reference_lookup", "error_bound",
+    "gather_raw", "reference_lookup", "error_bound",
 ]
 
 
@@ -132,9 +132,8 @@ def dequantize_rows(rows: torch.Tensor, row_scale: torch.Tensor, dtype: torch.dt
 def reference_lookup(weight: torch.Tensor, weight_scale: torch.Tensor, ids: torch.Tensor,
                      dtype: torch.dtype) -> torch.Tensor:
     """The definition: dequantize the whole table, then look up ``[T, NH]`` ids -> ``[T, E]``."""
-    from .reference.embedding import embedding_lookup
-
-    return embedding_lookup(dequantize(weight, weight_scale, dtype), ids)
+    T, NH = ids.shape
+    return dequantize(weight, weight_scale, dtype)[ids.to(torch.int64)].reshape(T, NH * weight.shape[1])
 
 
 def error_bound(table: torch.Tensor, scheme, *, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -156,3 +155,19 @@ def error_bound(table: torch.Tensor, scheme, *, out_dtype: torch.dtype = torch.f
         bound = bound + torch.finfo(out_dtype).eps / 2 * (x.abs() + bound)
     return bound
 
+
+def gather_raw(weight: torch.Tensor, weight_scale: torch.Tensor | None, ids: torch.Tensor, lookup):
+    """The stored rows of hash ids ``[T, NH]``: ``(rows [T, NH * D] in weight's dtype, row_scale)``.
+
+    ``lookup(table, ids)`` is an ``embedding_lookup``. A 1-byte float table (FP8) is
+    gathered as its raw bytes, so any gather kernel moves it bit for bit. ``row_scale``
+    is None (float table), the per-tensor ``[1]`` scale, or ``[T, NH]`` per-row scales
+    gathered by the same ``lookup``. `dequantize_rows` turns both into values.
+    """
+    if weight.dtype.is_floating_point and weight.element_size() == 1:
+        rows = lookup(weight.view(torch.uint8), ids).view(weight.dtype)
+    else:
+        rows = lookup(weight, ids)                                            # differentiable
+    if weight_scale is not None and weight_scale.dim() == 2:                  # per row: [rows, 1]
+        return rows, lookup(weight_scale, ids)                                 # [T, NH]
+    return rows, weight_scale

@@ -10,8 +10,10 @@ hash ids ``[T, NH]`` in ``dtype``, on ``ids``'s device.
                             with sparse gradients)
 `QuantizedTable`            FP8 or int8 ``weight`` buffer and its float32 ``weight_scale``
                             (``ple.quant``); no gradient
-``ple.distributed``'s       this rank's rows of a table split over a process group, summed
-`ShardedTable`              over the group (a collective)
+either, sharded             its tensors DTensors on a device mesh (``ple.distributed``'s
+                            ``TableRowwise`` / ``TableColwise``): each rank holds a piece and
+                            the lookup is a collective, dispatched through the hook
+                            ``ple.distributed`` registers (`register_dtensor_lookup`)
 ==========================  ===============================================================
 
 Dense and quantized tables may live in host memory while the layer runs on a GPU
@@ -32,9 +34,10 @@ import warnings
 import torch
 from torch import nn
 
-from .quant import SCHEMES, as_scheme, dequantize_rows, quantize, scheme_of
+from .quant import SCHEMES, as_scheme, dequantize_rows, gather_raw, quantize, scheme_of
 
-__all__ = ["Table", "DenseTable", "QuantizedTable", "gather_raw", "is_float_table", "FLOAT_TABLE_DTYPES"]
+__all__ = ["Table", "DenseTable", "QuantizedTable", "gather_raw", "is_float_table", "FLOAT_TABLE_DTYPES",
+           "register_dtensor_lookup"]
 
 FLOAT_TABLE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -52,21 +55,17 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
-def gather_raw(weight: torch.Tensor, weight_scale: torch.Tensor | None, ids: torch.Tensor, lookup):
-    """The stored rows of hash ids ``[T, NH]``: ``(rows [T, NH * D] in weight's dtype, row_scale)``.
+_dtensor_lookup = None
 
-    ``lookup(table, ids)`` is an ``embedding_lookup``. A 1-byte float table (FP8) is
-    gathered as its raw bytes, so any gather kernel moves it bit for bit. ``row_scale``
-    is None (float table), the per-tensor ``[1]`` scale, or ``[T, NH]`` per-row scales
-    gathered by the same ``lookup``. `dequantize_rows` turns both into values.
+
+def register_dtensor_lookup(fn) -> None:
+    """Set the lookup of a table whose ``weight`` is a DTensor: ``fn(table, ids, dtype, *, ops, validate)``.
+
+    ``ple.distributed`` registers its collective lookup when imported (this module imports
+    nothing above it); `Table.lookup` calls it for every DTensor table.
     """
-    if weight.dtype.is_floating_point and weight.element_size() == 1:
-        rows = lookup(weight.view(torch.uint8), ids).view(weight.dtype)
-    else:
-        rows = lookup(weight, ids)                                            # differentiable
-    if weight_scale is not None and weight_scale.dim() == 2:                  # per row: [rows, 1]
-        return rows, lookup(weight_scale, ids)                                 # [T, NH]
-    return rows, weight_scale
+    global _dtensor_lookup
+    _dtensor_lookup = fn
 
 
 class Table(nn.Module):
@@ -131,9 +130,9 @@ class Table(nn.Module):
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype, *, ops, validate: bool = True) -> torch.Tensor:
         """`rows` without a prefetch: gathered now."""
         if self.is_dtensor:
-            from .distributed.dtensor import dtensor_rows
-
-            return dtensor_rows(self, ids, dtype, ops=ops, validate=validate)
+            if _dtensor_lookup is None:
+                raise RuntimeError("a DTensor table is looked up by ple.distributed: import ple.distributed")
+            return _dtensor_lookup(self, ids, dtype, ops=ops, validate=validate)
         if self.weight.device == ids.device:
             lookup = functools.partial(ops.embedding_lookup, validate=validate)
             if self.sparse_grad and self.weight.requires_grad and torch.is_grad_enabled():

@@ -6,6 +6,10 @@ has to ask another what it will send.
 
 A *split* of ``T`` rows over ``W`` ranks is a list ``bounds`` of ``W + 1`` offsets:
 rank ``k`` owns rows ``[bounds[k], bounds[k + 1])``. A rank may own no rows.
+
+Two rules: a batch's tokens are split balanced (`even_bounds`, the default of ``sp_forward``
+and ``sp_step``); a table's rows (and columns) are split as the checkpoint layout and
+DTensor's ``Shard`` split them (`shard_range`), whichever entry point shards the table.
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass
 
-__all__ = ["even_bounds", "row_range", "check_bounds", "fragments", "HaloPlan", "halo_plan"]
+from ..io.layout import shard_rows
+
+__all__ = ["even_bounds", "shard_range", "check_bounds", "fragments", "HaloPlan", "halo_plan"]
 
 
 def even_bounds(total: int, world_size: int) -> list[int]:
@@ -25,10 +31,14 @@ def even_bounds(total: int, world_size: int) -> list[int]:
     return out
 
 
-def row_range(num_rows: int, world_size: int, rank: int) -> tuple[int, int]:
-    """The rows ``[start, end)`` of a ``num_rows`` table that ``rank`` owns under the balanced split."""
-    b = even_bounds(num_rows, world_size)
-    return b[rank], b[rank + 1]
+def shard_range(size: int, world_size: int, rank: int) -> tuple[int, int]:
+    """``[start, end)`` of ``rank``'s piece of ``size`` table rows (or columns): the one rule for a sharded table.
+
+    It is the checkpoint layout's (``ple.io.layout.shard_rows``) and ``torch.chunk``'s, so DTensor's
+    ``Shard``: every rank ``ceil(size / W)``, the last ranks possibly fewer or none (5 rows over 4
+    ranks: 2, 2, 1, 0). A table split over W ranks lines up with a checkpoint in W shards.
+    """
+    return shard_rows(size, world_size)[rank]
 
 
 def check_bounds(name: str, bounds, total: int, world_size: int) -> list[int]:

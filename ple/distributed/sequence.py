@@ -11,8 +11,8 @@ Everything in the layer is row-local except two things that look back:
 Both come from the previous rank(s) as a *halo*, point to point, and only for
 the sequence that crosses the rank's first row (a rank whose first row starts a
 sequence needs none). ``exchange="allgather"`` all-gathers every conv input
-instead (the simple baseline). With a `ShardedPLELayer` the table lookup is the
-sequence-parallel one (ids all-gathered, embeddings reduce-scattered).
+instead (the simple baseline). With a sharded table (a DTensor, ``ple.distributed.table``)
+the lookup is `local_token_rows` (ids all-gathered, rows reduce-scattered or exchanged).
 
 Gradients: each rank's loss covers its own rows; after ``backward`` on every
 rank, `sync_grads` sums the replicated parameters' gradients over the group
@@ -23,13 +23,14 @@ summed loss. A sharded table's gradient is already complete for its rows.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import _checks
 from .comm import Comm, as_comm
 from .exchange import all_gather_rows, halo_exchange
 from .partition import check_bounds, even_bounds, fragments, halo_plan
-from .table import ShardedPLELayer, ShardedTable
+from .table import local_token_rows
 
 __all__ = ["sp_forward", "sp_dilated_causal_conv", "sync_grads", "resolve_comm", "EXCHANGES"]
 
@@ -37,17 +38,21 @@ EXCHANGES = ("halo", "allgather")
 
 
 def resolve_comm(layer, group) -> Comm:
-    """The `Comm` sequence parallelism runs on: ``group`` (a `Comm` or a process group) or the default group.
+    """The `Comm` sequence parallelism runs on: ``group`` (a `Comm`, a process group or a 1-D ``DeviceMesh``), or
+    without one the sharded table's mesh, or the default group.
 
-    A `ShardedPLELayer`'s table must live on the same process group.
+    A sharded table must be split over the same ranks, in the same order.
     """
-    if group is None and isinstance(layer, ShardedPLELayer):
-        return layer.comm
-    if group is None and layer.table.is_dtensor:
-        return as_comm(layer.table.weight.device_mesh)
+    mesh = layer.table.weight.device_mesh if layer.table.is_dtensor else None
+    if group is None and mesh is not None:
+        return as_comm(mesh)
     comm = as_comm(group)
-    if isinstance(layer, ShardedPLELayer) and comm.group is not layer.comm.group:
-        raise ValueError("group: a sharded layer's table must be split over the sequence-parallel group")
+    if mesh is not None:                                            # ranks of both, from the host: no tensor read
+        ranks = dist.get_process_group_ranks(comm.group if comm.group is not None else dist.group.WORLD)
+        table_ranks = dist.get_process_group_ranks(mesh.get_group())
+        if list(ranks) != list(table_ranks):
+            raise ValueError(f"group: the table is sharded over ranks {list(table_ranks)}, the sequence is split "
+                             f"over ranks {list(ranks)}; use one group for both")
     return comm
 
 
@@ -73,15 +78,11 @@ def local_ngram_ids(layer, input_ids: torch.Tensor, local_starts: list[int], con
         ngram_context=contexts, validate=validate)
 
 
-def _embed(layer, ids: torch.Tensor, dtype: torch.dtype, counts: list[int]) -> torch.Tensor:
-    """Rows of this rank's ids: the sequence-parallel lookup of a sharded table (counts from the split, so no
-    host sync; a DTensor table's gradient is the sum over ranks, as `sync_grads` sums the others)."""
-    if isinstance(layer, ShardedPLELayer):
-        return layer.embed_sequence_parallel(ids, dtype, counts)
+def _embed(layer, ids: torch.Tensor, dtype: torch.dtype, counts: list[int], comm: Comm) -> torch.Tensor:
+    """Rows of this rank's ids: a sharded table's `local_token_rows` (counts from the split, so no host sync; the
+    table's gradient is the sum over ranks, as `sync_grads` sums the others; bytes counted on ``comm``)."""
     if layer.table.is_dtensor:
-        from .dtensor import local_token_rows
-
-        return local_token_rows(layer, ids, dtype, counts=counts, reduce="sum")
+        return local_token_rows(layer, ids, dtype, counts=counts, reduce="sum", comm=comm)
     return layer.embed(ids, dtype, validate=False)                  # ids of the layer's own hash
 
 
@@ -110,9 +111,10 @@ def sp_forward(layer, hidden_states: torch.Tensor, input_ids: torch.Tensor, cu_s
     run over each whole sequence in one process. Autograd reaches every parameter,
     ``hidden_states`` and (through the halo) the other ranks' rows.
 
-    ``group``: a process group, a `Comm`, or a 1-D ``DeviceMesh`` (its group). The layer's
-    table may be whole, a `ShardedPLELayer`'s, or a DTensor (``TableRowwise`` /
-    ``TableColwise``; its lookup is then `local_token_rows` with the split's counts).
+    ``group``: a process group, a `Comm`, or a 1-D ``DeviceMesh`` (its group; default: a
+    sharded table's mesh, else the default group). The layer's table may be whole or sharded
+    (a DTensor, rows or columns, float or quantized: ``TableRowwise`` / ``TableColwise``; its
+    lookup is then `local_token_rows` with the split's counts).
 
     Host syncs: none in forward or backward when ``cu_seqlens`` is a Python list (the
     batch's metadata, on the host) and ``validate=False`` (token ids not range-checked; a
@@ -155,7 +157,7 @@ def sp_forward(layer, hidden_states: torch.Tensor, input_ids: torch.Tensor, cu_s
         ctx[0] = torch.cat([ctx[0], tok_halo])[-N1:]
     ids = local_ngram_ids(layer, input_ids, local_starts, ctx, validate=validate)
     counts = [bounds[r + 1] - bounds[r] for r in range(W)]
-    emb = _embed(layer, ids, hidden_states.dtype, counts)                 # [T_k, E]
+    emb = _embed(layer, ids, hidden_states.dtype, counts, comm)           # [T_k, E]
     gated, conv_input = layer.gate(emb, hidden_states)                   # [T_k, C] each
     y = sp_dilated_causal_conv(conv_input, layer.conv_weights, dilation=cfg.conv_dilation, cu_seqlens=starts,
                                group=comm, bounds=bounds, exchange=exchange, ops=ops)
@@ -207,13 +209,12 @@ def sp_dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: i
 def sync_grads(module: torch.nn.Module, group=None) -> None:
     """Sum every replicated parameter's gradient over the group, in place (after sequence-parallel backward).
 
-    Tables of `ShardedTable` modules and DTensor tables are skipped: their gradients are
-    already complete for their rows (or columns). A parameter that needs a gradient but got none here
-    (a rank with no rows) counts as zero, so every rank makes the same calls.
+    DTensor parameters (sharded tables) are skipped: their gradients are already complete for
+    their rows (or columns). A parameter that needs a gradient but got none here (a rank with no
+    rows) counts as zero, so every rank makes the same calls.
     """
     comm = as_comm(group)
-    sharded = {id(m.weight) for m in module.modules() if isinstance(m, ShardedTable)}
-    sharded |= {id(p) for p in module.parameters() if isinstance(p, DTensor)}                 # DTensor tables
+    sharded = {id(p) for p in module.parameters() if isinstance(p, DTensor)}                  # sharded tables
     for p in module.parameters():
         if id(p) in sharded or not p.requires_grad:
             continue

@@ -44,7 +44,7 @@ def sp_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLECach
     Every rank of the group calls it with the same ``batch`` and its own rows.
     ``bounds`` (``[W + 1]``, default `even_bounds(batch.num_tokens, W)`) is the split;
     a rank may hold no rows and a request may span any number of ranks. Inference
-    only. With a `ShardedPLELayer` the table lookup is the sequence-parallel one.
+    only. With a sharded table (a DTensor) the lookup is ``local_token_rows``.
     """
     if exchange not in EXCHANGES:
         raise ValueError(f"exchange: expected one of {EXCHANGES}, got {exchange!r}")
@@ -79,7 +79,7 @@ def sp_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLECach
     ctx = [(contexts[r] + batch.tokens_host[r][: a - starts[r]])[-N1:] for r, a, _ in frags]
     ids = local_ngram_ids(layer, batch.input_ids[lo:hi], local_starts, ctx)
     counts = [bounds[r + 1] - bounds[r] for r in range(W)]
-    emb = _embed(layer, ids, hidden_states.dtype, counts)                # [T_k, E]
+    emb = _embed(layer, ids, hidden_states.dtype, counts, comm)          # [T_k, E]
     out, conv_input = layer.gate(emb, hidden_states)                     # gated becomes the output in place
     state = cache.conv_state(index)                                      # [num_slots, C, W] view
     weights = layer.conv_weights.to(conv_input.dtype)

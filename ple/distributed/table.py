@@ -1,353 +1,330 @@
-"""The n-gram table sharded by rows over a process group.
+"""The sharded n-gram table: a ``ple.table.Table`` whose tensors are DTensors on a 1-D ``DeviceMesh``.
 
-Each rank owns a contiguous range of table rows ``[row_start, row_end)`` (by
-default the balanced split, `row_range`). A lookup gathers the owned rows of
-every requested id, zeros for the others, and sums over the group; since exactly
-one rank owns each row the sum is the row itself, bit for bit. Backward leaves
-each rank the gradient of its own rows only (a sharded table is never
-all-reduced as a whole).
+There is one sharded table. `shard_table_` (what the ``ParallelStyle`` s ``TableRowwise`` /
+``TableColwise`` of ``ple.distributed.dtensor`` apply) turns a layer's `DenseTable` or
+`QuantizedTable` into it in place: the module keeps its class and its state-dict keys, its
+``weight`` becomes a DTensor of the table's own dtype (a Parameter for a float table, a
+buffer for an FP8 / int8 one) and its ``weight_scale`` goes with it:
 
-Two lookups, by where the tokens are:
+=============  ===============================  ==================================================
+placement      ``weight``                       ``weight_scale``
+=============  ===============================  ==================================================
+``"row"``      ``Shard(0)``: rank k rows        per row (int8, ``[rows, 1]``): ``Shard(0)``, the
+               `shard_range` (k)                same rows; per tensor (FP8, ``[1]``): replicated
+``"col"``      ``Shard(1)``: every row, rank    replicated (every rank needs every row's scale)
+               k's columns
+=============  ===============================  ==================================================
 
-* `ShardedTable.rows` (the ``ple.table.Table`` lookup, so `PLELayer.embed` uses it
-  unchanged): every rank looks up the same ids (the layer is
-  replicated, only the table is split). Forward all-reduce, backward identity: DTensor's
-  ``Partial -> Replicate`` redistribute, and its autograd.
-* `ShardedTable.lookup_sequence_parallel`: each rank has its own tokens (the
-  step's rows are split across ranks). The ids are all-gathered, every rank
-  looks up its rows for all tokens, and a reduce-scatter returns each rank its
-  tokens' embeddings (DTensor's ``Partial -> Shard(0)``). Backward all-gathers the gradients of the embeddings, so
-  each rank's shard gets the gradient of every token that hit its rows.
+Rows are split by `shard_range`, the checkpoint layout's rule (``ceil(rows / W)`` a rank, the
+last ranks possibly fewer or none), whichever entry point built the table: a rank's piece of
+a table split over W ranks is shard k of a checkpoint in W shards.
 
-Quantized tables (the conventions of ``ple.quant``): ``weight`` may have any dtype
-(int8, float8_e4m3fn, ...) with an optional float32 ``weight_scale``, per row
-(``[rows, 1]``) or per tensor (``[1]``). Raw rows travel in the table's own width
-(their bytes are summed as uint8, which is exact because every rank but the
-owner contributes zero bits), the per-row scales travel beside them, and
-dequantisation ``(row.float() * scale).to(dtype)`` happens after the sum.
-Quantized tables have no gradient.
+Its lookup is ``Table.rows(ids, dtype, ops=...)`` (``ple.table`` dispatches a DTensor table to
+`dtensor_rows`, registered here), a collective:
 
-`ShardedPLELayer.load_table_from_checkpoint` reads a rank's rows straight from the
-checkpoint through ``ple.io``'s one reader (``ple.io.read_table_rows``): every key is
-checked against the config, then only the table shards that overlap the rank's rows
-are read, and only those rows.
+* rows: each rank gathers the rows it owns and fills the others with ``-0.0`` (a quantized
+  table: their raw bytes, and a per-row scale's four bytes beside them, as uint8, zeros
+  elsewhere), a ``Partial`` DTensor. Redistributing it to ``Replicate`` (every rank the same
+  tokens) is the all-reduce, to ``Shard(0)`` (tokens split across ranks) the reduce-scatter.
+  Exactly one rank owns each row, and ``x + (-0.0) == x`` for every float ``x`` (``+0.0``
+  and ``-0.0`` too), so the sum is the row itself, bit for bit.
+* columns: the lookup is local, then the columns are all-gathered (``Shard(2) -> Replicate``)
+  or exchanged all-to-all (``Shard(2) -> Shard(0)``).
+
+A quantized table's rows travel in its own width (one byte an element) and are dequantized
+after the collective, ``(q.float() * scale).to(dtype)``, as the whole table does. Autograd
+through every collective is DTensor's; a float table's gradient is a DTensor of the same
+placement holding each rank's piece only.
+
+With tokens split across ranks (``input_layouts=Shard(0)``, or `local_token_rows` directly),
+the ranks' hash ids are all-gathered first (padded to the largest count with ``-1``, owned by
+no rank) and each rank gets its own tokens' rows back; an idle serving rank takes part with
+`join_table_lookup`.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from .. import _checks
-from ..config import PLEConfig
-from ..layer import PLELayer
 from ..quant import dequantize_rows
-from ..reference.hashing import hash_params
-from ..table import Table, gather_raw, is_float_table
-from .comm import Comm, as_comm
-from .partition import row_range as balanced_row_range
+from ..table import Table, register_dtensor_lookup
+from .partition import shard_range
 
-__all__ = ["ShardedTable", "ShardedPLELayer"]
+__all__ = ["PLACEMENTS", "shard_table_", "table_placement", "dtensor_rows", "local_token_rows",
+           "join_table_lookup"]
+
+PLACEMENTS = ("row", "col")
+_REDUCES = ("mean", "sum")
 
 
-def _sum_partials(x: torch.Tensor, comm: Comm, category: str, *, scatter: bool) -> torch.Tensor:
-    """Sum every rank's ``x`` (each holds a part: its owned rows, zeros elsewhere), with DTensor's autograd.
+def table_placement(table) -> str | None:
+    """``"row"``, ``"col"`` or None (not a DTensor table)."""
+    w = getattr(table, "weight", None)
+    if not isinstance(w, DTensor):
+        return None
+    (p,) = w.placements
+    return "row" if p == Shard(0) else "col"
 
-    ``scatter=False``: the whole sum (``Partial -> Replicate``, an all-reduce; backward: the
-    gradient as it is, every rank computing the same loss). ``scatter=True``: ``x`` is
-    ``[W * m, ...]`` and this rank gets its ``[m, ...]`` block (``Partial -> Shard(0)``, a
-    reduce-scatter; backward: an all-gather). Bytes are counted on ``comm`` as its own
-    collectives count them (the backward's under ``category + "_grad"``).
+
+def _one_byte_float(t: torch.Tensor) -> bool:
+    return t.dtype.is_floating_point and t.element_size() == 1
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A 1-byte table (FP8 or int8) as uint8, so collectives and gathers move it bit for bit."""
+    return t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.uint8 else t
+
+
+def _place(t: torch.Tensor, mesh, placement, src_data_rank) -> DTensor:
+    """``t`` (the whole tensor, every rank alike) as a DTensor of ``placement``, in ``t``'s own dtype."""
+    raw = t.view(torch.uint8) if _one_byte_float(t) else t             # FP8 travels as its bytes
+    local = distribute_tensor(raw, mesh, [placement], src_data_rank=src_data_rank).to_local()
+    return DTensor.from_local(local.view(t.dtype), mesh, [placement], run_check=False, shape=t.shape,
+                              stride=t.stride())
+
+
+def _piece_on_mesh(t: torch.Tensor, mesh, placement, *, init) -> DTensor:
+    """A DTensor of ``t``'s shape and dtype whose local piece is made on the mesh's device (``t`` is on meta)."""
+    shape = list(t.shape)
+    if isinstance(placement, Shard):
+        a, b = shard_range(shape[placement.dim], mesh.size(), mesh.get_local_rank())
+        shape[placement.dim] = b - a
+    local = init(torch.empty(shape, dtype=t.dtype, device=mesh.device_type))
+    return DTensor.from_local(local, mesh, [placement], run_check=False, shape=t.shape, stride=t.stride())
+
+
+def _set(table: nn.Module, name: str, value: DTensor, requires_grad: bool = False) -> None:
+    if name in table._parameters:
+        table._parameters[name] = nn.Parameter(value, requires_grad=requires_grad)
+    else:
+        table._buffers[name] = value
+
+
+def shard_table_(table: Table, mesh, placement: str = "row", *, tokens: str = "replicated", reduce: str = "mean",
+                 src_data_rank: int | None = 0) -> Table:
+    """Make ``table`` (a layer's `DenseTable` or `QuantizedTable`) the sharded table on ``mesh``, in place.
+
+    ``placement``: ``"row"`` or ``"col"`` (see the module docstring). ``tokens``:
+    ``"replicated"`` (every rank looks up the same ids) or ``"sharded"`` (each rank its own:
+    every lookup is `local_token_rows` with ``reduce``). ``src_data_rank``: as for
+    ``distribute_tensor`` (rank 0's table is scattered; None: every rank slices its own
+    copy). A table on the ``meta`` device is never made whole: each rank creates its piece
+    (a float table normal(0, 1), as the model initialises it; a quantized one zeros, scales
+    one), to be filled by ``load_table_piece_``. Returns ``table``.
     """
-    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-
-    mesh, W = comm.mesh, comm.world_size
-    n = x.numel() * x.element_size()
-    if scatter and x.shape[0] % W:
-        raise ValueError(f"x: expected a multiple of world_size={W} rows, got {x.shape[0]}")
-    part = DTensor.from_local(x.contiguous(), mesh, [Partial()], run_check=False)
-    out = part.redistribute(mesh, [Shard(0) if scatter else Replicate()]).to_local()
-    comm.count(category, (W - 1) / W * n if scatter else 2 * (W - 1) / W * n)
-    if scatter and out.requires_grad:
-        out.register_hook(lambda g: comm.count(category + "_grad", (W - 1) * g.numel() * g.element_size()))
-    return out
-
-
-class ShardedTable(Table):
-    """Rows ``[row_start, row_end)`` of a ``[num_rows, dim]`` table, held by this rank of ``group``.
-
-    A ``ple.table.Table``: ``rows(ids, dtype, ops=...)`` is a collective (every rank of the
-    group calls it with the same ids). ``weight`` is ``[row_end - row_start, dim]``; with
-    ``scale="row"`` a float32 buffer ``weight_scale`` (``[row_end - row_start, 1]``)
-    dequantises each row, with ``scale="tensor"`` one float32 scale (``[1]``) does. A
-    floating table without a scale is a trainable Parameter (normal(0, 1) init, as the
-    model's); any other table is a buffer that starts at zero (scale 1) and is meant to be
-    loaded.
-
-    ``load_state_dict`` accepts either this rank's rows or the whole table
-    (``[num_rows, dim]``, and ``[num_rows, 1]`` row scales), which it slices.
-    """
-
-    def __init__(self, num_rows: int, dim: int, *, group=None, row_range: tuple[int, int] | None = None,
-                 device=None, dtype=None, scale: str | None = None):
-        super().__init__()
-        _checks.int_arg("num_rows", num_rows, minimum=1)
-        _checks.int_arg("dim", dim, minimum=1)
-        if scale not in (None, "row", "tensor"):
-            raise ValueError(f"scale: expected None, 'row' or 'tensor', got {scale!r}")
-        self.comm = as_comm(group)
-        if row_range is None:
-            row_range = balanced_row_range(num_rows, self.comm.world_size, self.comm.rank)
-        start, end = row_range
-        if not (isinstance(start, int) and isinstance(end, int) and 0 <= start <= end <= num_rows):
-            raise ValueError(f"row_range: expected 0 <= start <= end <= num_rows={num_rows}, got {row_range}")
-        self._num_rows = num_rows
-        self.row_start, self.row_end = start, end
-        dtype = dtype or torch.get_default_dtype()
-        w = torch.zeros(end - start, dim, device=device, dtype=dtype)
-        if is_float_table(dtype) and scale is None:
-            self.weight = nn.Parameter(nn.init.normal_(w))
-        else:
-            self.register_buffer("weight", w)
-        self.scale_kind = scale
+    if not isinstance(table, Table) or not isinstance(getattr(table, "weight", None), torch.Tensor):
+        raise TypeError(f"module: expected the layer's table (ple_embedding.ngram_embedding, a ple.table.Table), "
+                        f"got {type(table).__name__}")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement: expected one of {PLACEMENTS}, got {placement!r}")
+    if reduce not in _REDUCES:
+        raise ValueError(f"reduce: expected 'mean' or 'sum', got {reduce!r}")
+    if mesh.ndim != 1:
+        raise ValueError(f"device_mesh: expected a 1-D mesh, got {mesh.ndim} dimensions (pass mesh['tp'] of a "
+                         f"2-D mesh)")
+    w = table.weight
+    if isinstance(w, DTensor):
+        raise ValueError(f"module: the table is already a DTensor ({w.placements})")
+    dim = 0 if placement == "row" else 1
+    scale = table.scale
+    scale_place = Shard(0) if scale is not None and scale.dim() == 2 and dim == 0 else Replicate()
+    if w.device.type == "meta":
+        init = torch.zero_ if table.quantized else nn.init.normal_
+        _set(table, "weight", _piece_on_mesh(w, mesh, Shard(dim), init=init),
+             requires_grad=w.requires_grad)
         if scale is not None:
-            shape = (end - start, 1) if scale == "row" else (1,)
-            self.register_buffer("weight_scale", torch.ones(shape, device=device, dtype=torch.float32))
-
-    @property
-    def num_rows(self) -> int:
-        """Rows of the whole table (this rank holds ``row_end - row_start`` of them)."""
-        return self._num_rows
-
-    @staticmethod
-    def scale_kind_of(weight_scale: torch.Tensor | None) -> str | None:
-        """``None``, ``"tensor"`` (one scale: ``[]`` or ``[1]``) or ``"row"`` (``[rows, 1]``)."""
-        if weight_scale is None:
-            return None
-        return "tensor" if weight_scale.numel() == 1 and weight_scale.dim() <= 1 else "row"
-
-    @classmethod
-    def from_full(cls, weight: torch.Tensor, *, weight_scale: torch.Tensor | None = None, group=None,
-                  row_range: tuple[int, int] | None = None) -> ShardedTable:
-        """This rank's shard of a whole table ``weight`` (``[num_rows, dim]``), with its scale if any."""
-        kind = cls.scale_kind_of(weight_scale)
-        m = cls(weight.shape[0], weight.shape[1], group=group, row_range=row_range, device=weight.device,
-                dtype=weight.dtype, scale=kind)
-        sd = {"weight": weight}
-        if kind is not None:
-            sd["weight_scale"] = weight_scale.reshape(1) if kind == "tensor" else weight_scale
-        m.load_state_dict(sd)
-        return m
-
-    def extra_repr(self) -> str:
-        return (f"rows [{self.row_start}, {self.row_end}) of {self.num_rows}, dim={self.dim}, "
-                f"dtype={self.weight.dtype}, scale={self.scale_kind}, "
-                f"rank={self.comm.rank}/{self.comm.world_size}")
-
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
-                              unexpected_keys, error_msgs):
-        # A whole table (or whole row scale) is sliced to this rank's rows.
-        local = self.row_end - self.row_start
-        for name in ("weight", "weight_scale"):
-            key = prefix + name
-            t = state_dict.get(key)
-            if t is not None and t.dim() >= 1 and t.shape[0] == self.num_rows and self.num_rows != local:
-                state_dict[key] = t[self.row_start:self.row_end]
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
-                                      unexpected_keys, error_msgs)
-
-    def offload_(self, *, pin=None):
-        raise NotImplementedError("offload_: a sharded table is looked up collectively; keep each rank's "
-                                  "shard on its device")
-
-    def prefetch(self, ids, device):
-        raise NotImplementedError("start_prefetch: a sharded table is looked up collectively in embed(); "
-                                  "there is nothing to prefetch")
-
-    # ---- lookups -------------------------------------------------------------------------------
-    def _partial(self, flat_ids: torch.Tensor, ops) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Owned rows of ``flat_ids`` ``[n]`` (zeros elsewhere): ``[n, dim]`` payload and ``[n]`` row scales.
-
-        Trainable tables give their rows (autograd reaches ``weight`` through the
-        owned rows only); quantized tables give their rows' bytes as uint8.
-        """
-        local = flat_ids.long() - self.row_start
-        owned = (local >= 0) & (local < self.weight.shape[0])
-        safe = torch.where(owned, local, torch.zeros_like(local))[:, None]
-        n = flat_ids.numel()
-        row_scale = None
-        if self.weight.shape[0] == 0:                                 # a rank that owns no rows
-            rows = self.weight.new_zeros((n, self.dim))
-            if self.scale_kind == "row":
-                row_scale = self.weight_scale.new_zeros(n)
-        else:
-            lookup = functools.partial(ops.embedding_lookup, validate=False)   # safe ids: in range
-            rows, row_scale = gather_raw(self.weight, self.scale, safe, lookup)
-            row_scale = row_scale.reshape(n) if self.scale_kind == "row" else None
-        if self.quantized:
-            rows = rows.view(torch.uint8) if rows.element_size() == 1 else rows
-        payload = torch.where(owned[:, None], rows, torch.zeros((), dtype=rows.dtype, device=rows.device))
-        if row_scale is not None:
-            row_scale = torch.where(owned, row_scale, torch.zeros_like(row_scale))
-        return payload, row_scale
-
-    def _finish(self, summed: torch.Tensor, row_scale: torch.Tensor | None, T: int, NH: int,
-                dtype) -> torch.Tensor:
-        """Summed ``[T * NH, dim]`` payload -> ``[T, NH * dim]`` in ``dtype``, dequantised."""
-        if not self.quantized:
-            return summed.reshape(T, NH * self.dim).to(dtype or summed.dtype)
-        q = summed.view(self.weight.dtype)                            # [n, dim]
-        scale = row_scale.reshape(T, NH) if self.scale_kind == "row" else self.scale
-        if scale is None:
-            return q.float().reshape(T, NH * self.dim).to(dtype or torch.get_default_dtype())
-        return dequantize_rows(q.reshape(T, NH * self.dim), scale, dtype or torch.get_default_dtype())
-
-    def rows(self, ids: torch.Tensor, dtype: torch.dtype | None = None, *, ops=None,
-             validate: bool = True) -> torch.Tensor:
-        """Rows for hash ids ``[T, NH]`` that every rank passes alike: ``[T, NH * dim]``.
-
-        Rows come back in ``dtype`` (default: the table's dtype, or the default float
-        dtype for a quantized table). ``ops`` is the op module whose
-        ``embedding_lookup`` gathers a trainable table's rows (default: the reference).
-        Ids outside the table give zero rows (no rank owns them), so ``validate`` has nothing
-        to check beyond the metadata.
-        """
-        ops = ops or _reference_ops()
-        _checks.tensor("ids", ids, ndim=2, kind="int", device=self.weight.device)
-        T, NH = ids.shape
-        payload, row_scale = self._partial(ids.reshape(-1), ops)
-        if self.quantized:
-            summed = self.comm.all_reduce(payload.contiguous(), "table_reduce")
-            if row_scale is not None:
-                row_scale = self.comm.all_reduce(row_scale.contiguous(), "table_scale")
-        else:
-            summed = _sum_partials(payload, self.comm, "table_reduce", scatter=False)
-        return self._finish(summed, row_scale, T, NH, dtype)
-
-    lookup = rows
-
-    def lookup_sequence_parallel(self, ids: torch.Tensor, counts: list[int], *,
-                                 dtype: torch.dtype | None = None, ops=None) -> torch.Tensor:
-        """Rows for this rank's own hash ids ``[T_k, NH]``; rank r passes ``counts[r]`` rows of ids.
-
-        Every rank of the group must call it (a rank with no tokens passes ``[0, NH]``).
-        """
-        ops = ops or _reference_ops()
-        comm = self.comm
-        W = comm.world_size
-        _checks.tensor("ids", ids, ndim=2, kind="int", device=self.weight.device)
-        if len(counts) != W or ids.shape[0] != counts[comm.rank]:
-            raise ValueError(f"counts: expected {W} row counts, this rank's = {ids.shape[0]}, got {counts}")
-        T, NH = ids.shape
-        m = max(counts)
-        padded = torch.full((m, NH), -1, dtype=torch.int64, device=ids.device)   # -1: owned by no rank
-        padded[:T] = ids
-        all_ids = comm.all_gather(padded, "table_ids")                             # [W, m, NH]
-        payload, row_scale = self._partial(all_ids.reshape(-1), ops)              # [W*m*NH, dim]
-        width = payload.shape[1] * NH
-        if self.quantized:
-            summed = comm.reduce_scatter(payload.reshape(W * m, width), "table_reduce")
-            if row_scale is not None:
-                row_scale = comm.reduce_scatter(row_scale.reshape(W * m, NH), "table_scale")
-                row_scale = row_scale[:T].reshape(-1)
-        else:
-            summed = _sum_partials(payload.reshape(W * m, width), comm, "table_reduce", scatter=True)
-        summed = summed[:T].reshape(T * NH, payload.shape[1])
-        return self._finish(summed, row_scale, T, NH, dtype)
+            _set(table, "weight_scale", _piece_on_mesh(scale, mesh, scale_place, init=lambda t: t.fill_(1.0)))
+    else:
+        _set(table, "weight", _place(w.detach(), mesh, Shard(dim), src_data_rank), requires_grad=w.requires_grad)
+        if scale is not None:
+            _set(table, "weight_scale", _place(scale.detach(), mesh, scale_place, src_data_rank))
+    table.dtensor_tokens, table.dtensor_reduce = tokens, reduce
+    table._pending = None
+    return table
 
 
-def _reference_ops():
-    from .. import reference
+# ---- what a rank contributes ------------------------------------------------------------------------
+def _owned(table, n_local: int, ids: torch.Tensor):
+    """Where ids ``[n, NH]`` fall in this rank's rows: ``(owned mask, local row index, 0 where not owned)``."""
+    mesh = table.weight.device_mesh
+    start, _ = shard_range(table.num_rows, mesh.size(), mesh.get_local_rank())
+    rel = ids.long() - start
+    owned = (rel >= 0) & (rel < n_local)                              # ids < 0 (padding) are owned by none
+    return owned, torch.where(owned, rel, torch.zeros_like(rel))
 
-    return reference
 
+def _row_part(table, ids: torch.Tensor, ops) -> torch.Tensor:
+    """``[n, NH, width]``: this rank's share of the rows of ids ``[n, NH]`` under ``Shard(0)``.
 
-class ShardedPLELayer(PLELayer):
-    """`PLELayer` whose n-gram table is split by rows over ``group``; everything else is replicated.
-
-    ``forward`` and ``step`` are `PLELayer`'s: every rank passes the same tokens
-    and gets the same outputs as one process with the whole table (the lookup sums
-    the owned rows over the group). For sequence parallelism, where ranks hold
-    different tokens, use `ple.distributed.sp_forward` / `sp_step`, which call
-    `embed_sequence_parallel`.
-
-    The whole table is never allocated: only this rank's rows (``row_range``, by
-    default the balanced split). ``table_dtype`` / ``scale`` make a quantized table
-    (see `ShardedTable`). The replicated parameters start as `PLELayer`'s do;
-    give every rank the same weights with ``load_state_dict`` (a whole-model state
-    dict is sliced to this rank's rows), `from_layer`, or `load_table_from_checkpoint`.
-
-    Parameter names are `PLELayer`'s (``ple_embedding.ngram_embedding.weight`` holds
-    the local rows; a quantized table adds ``ple_embedding.ngram_embedding.weight_scale``,
-    as ``ple.quant`` does, so a quantized whole layer's state dict loads too).
-    Training with replicated tokens: every rank gets the full gradient of the
-    replicated parameters and the gradient of its own rows; do not all-reduce them.
-    ``DistributedDataParallel(layer)`` leaves the table out of its all-reduce (the layer
-    puts it on DDP's ignore list); for a model holding such layers call
-    ``ple.distributed.exclude_tables_from_ddp(model)`` before wrapping it.
+    A float table: its rows (autograd reaches them), ``-0.0`` where another rank owns the row.
+    A quantized table: the rows' bytes (uint8) and, with per-row scales, the scale's four
+    bytes after them (``width = D + 4``); zeros where another rank owns the row.
     """
+    w, scale = table.weight.to_local(), table.scale
+    per_row = scale is not None and scale.dim() == 2
+    n, NH = ids.shape
+    D = table.dim
+    if not table.quantized:
+        fill = torch.full((), -0.0, dtype=w.dtype, device=w.device)
+        if w.shape[0] == 0:              # a rank that owns no rows; `- w.sum()` (-0.0 - 0.0) gives it a gradient
+            return fill.expand(n, NH, D) - w.sum()
+        owned, safe = _owned(table, w.shape[0], ids)
+        rows = ops.embedding_lookup(w, safe, validate=False).reshape(n, NH, D)
+        return torch.where(owned[..., None], rows, fill)
+    width = D + (4 if per_row else 0)
+    if w.shape[0] == 0:
+        return torch.zeros((n, NH, width), dtype=torch.uint8, device=w.device)
+    owned, safe = _owned(table, w.shape[0], ids)
+    rows = ops.embedding_lookup(_bytes(w), safe, validate=False).reshape(n, NH, D)
+    if per_row:
+        s = scale.to_local().view(torch.uint8)                            # [rows_k, 4]: the float32's bytes
+        rows = torch.cat([rows, ops.embedding_lookup(s, safe, validate=False).reshape(n, NH, 4)], dim=2)
+    return torch.where(owned[..., None], rows, torch.zeros((), dtype=torch.uint8, device=w.device))
 
-    def __init__(self, config: PLEConfig, ple_layer_index: int = 0, *, group=None,
-                 row_range: tuple[int, int] | None = None, backend: str = "reference", device=None,
-                 dtype=None, table_dtype: torch.dtype | None = None, scale: str | None = None):
-        table = ShardedTable(hash_params(config, ple_layer_index).num_rows, config.ngram_head_dim, group=group,
-                             row_range=row_range, device=device, dtype=table_dtype or dtype, scale=scale)
-        super().__init__(config, ple_layer_index, backend=backend, device=device, dtype=dtype, table=table)
-        # DDP must not average (or, with uneven shards, even compare) the shards of different ranks.
-        from .dtensor import exclude_tables_from_ddp
 
-        exclude_tables_from_ddp(self)
+def _col_part(table, ids: torch.Tensor, ops) -> torch.Tensor:
+    """``[n, NH, D_k]``: this rank's columns of the rows of ids ``[n, NH]`` (raw bytes for a quantized table)."""
+    w = table.weight.to_local()
+    n, NH = ids.shape
+    src = _bytes(w) if table.quantized else w
+    if w.shape[1] == 0:                  # a rank that holds no columns (D < W); its gradient is [rows, 0]
+        return src.new_zeros((n, NH, 0)) if table.quantized else w.new_zeros((n, NH, 0)) + w.sum()
+    safe = ids.long().clamp(min=0)                                        # padding ids (-1) look up row 0
+    return ops.embedding_lookup(src, safe, validate=False).reshape(n, NH, w.shape[1])
 
-    @classmethod
-    def from_layer(cls, layer: PLELayer, group=None, *, row_range: tuple[int, int] | None = None,
-                   backend: str | None = None) -> ShardedPLELayer:
-        """This rank's sharded copy of a whole ``layer`` (same weights, same backend unless given)."""
-        table = layer.ple_embedding.ngram_embedding
-        w = table.weight
-        new = cls(layer.config, layer.ple_layer_index, group=group, row_range=row_range,
-                  backend=backend or layer.backend, device=w.device, dtype=layer.key_proj.weight.dtype,
-                  table_dtype=w.dtype,
-                  scale=ShardedTable.scale_kind_of(table.scale))
-        new.load_state_dict(layer.state_dict())
-        return new
 
-    @property
-    def comm(self) -> Comm:
-        return self.table.comm
+def _collect(table, ids: torch.Tensor, ops, target) -> torch.Tensor:
+    """Every rank's share of the rows of ids ``[n, NH]`` (the same on every rank), redistributed to ``target``:
+    ``Replicate()`` gives ``[n, NH, width]``, ``Shard(0)`` this rank's ``[n / W, NH, width]`` block."""
+    mesh = table.weight.device_mesh
+    n, NH = ids.shape
+    if table_placement(table) == "row":
+        part = DTensor.from_local(_row_part(table, ids, ops), mesh, [Partial()], run_check=False)
+    else:
+        part = DTensor.from_local(_col_part(table, ids, ops), mesh, [Shard(2)], run_check=False,
+                                  shape=(n, NH, table.dim), stride=(NH * table.dim, table.dim, 1))
+    return part.redistribute(mesh, [target]).to_local()
 
-    def embed_sequence_parallel(self, ids: torch.Tensor, dtype: torch.dtype,
-                                counts: list[int]) -> torch.Tensor:
-        """Rows for this rank's own hash ids ``[T_k, NH]``; ``counts`` holds every rank's ``T_k``."""
-        return self.table.lookup_sequence_parallel(ids, counts, dtype=dtype, ops=self.ops)
 
-    def load_table_from_checkpoint(self, source, *, prefix: str | None = None) -> None:
-        """Read this rank's rows (and their scales) from a checkpoint, through ``ple.io.read_table_rows``.
+def _finish(table, got: torch.Tensor, ids: torch.Tensor, dtype, ops) -> torch.Tensor:
+    """The collected ``[T, NH, width]`` of this rank's ids ``[T, NH]`` -> rows ``[T, NH * D]`` in ``dtype``."""
+    T, NH = ids.shape
+    D = table.dim
+    if not table.quantized:
+        return got.reshape(T, NH * D).to(dtype or got.dtype)
+    dtype = dtype or torch.get_default_dtype()
+    q = got[..., :D].contiguous().view(table.weight.dtype).reshape(T, NH * D)
+    scale = table.scale.to_local()
+    if scale.dim() == 2 and table_placement(table) == "row":             # the scale's bytes came with the row
+        row_scale = got[..., D:].contiguous().view(torch.float32).reshape(T, NH)
+    elif scale.dim() == 2:                                                # replicated per-row scales
+        row_scale = ops.embedding_lookup(scale, ids.long().clamp(min=0), validate=False).reshape(T, NH)
+    else:
+        row_scale = scale
+    return dequantize_rows(q, row_scale, dtype)
 
-        ``source`` and ``prefix`` are as for ``ple.io.load_layer``: every key of the layer is
-        checked against this layer's config first (a checkpoint of another config, or one
-        missing a shard, is a ``ValueError`` naming the key), then only the shards that
-        overlap this rank's rows are read, and only those rows. A float checkpoint table is
-        cast to this layer's table dtype; a quantized one replaces the table by a quantized
-        shard of the same rows.
-        """
-        from ..io import read_table_rows
 
-        t = self.table
-        weight, weight_scale = read_table_rows(source, self.config, self.ple_layer_index, start=t.row_start,
-                                               end=t.row_end, prefix=prefix)
-        kind = ShardedTable.scale_kind_of(weight_scale)
-        quantized = kind is not None or not is_float_table(weight.dtype)
-        if quantized and (weight.dtype != t.weight.dtype or kind != t.scale_kind):
-            t = ShardedTable(t.num_rows, t.dim, group=t.comm, row_range=(t.row_start, t.row_end),
-                             device=t.weight.device, dtype=weight.dtype, scale=kind)
-            self.ple_embedding.ngram_embedding = t
-        with torch.no_grad():
-            t.weight.copy_(weight.to(t.weight.dtype))
-            if kind is not None:
-                t.weight_scale.copy_(weight_scale.reshape(t.weight_scale.shape))
+def _check_ids(table, ids: torch.Tensor, validate: bool) -> None:
+    _checks.tensor("ids", ids, ndim=2, kind="int", device=table.weight.to_local().device)
+    if validate and ids.numel():
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= table.num_rows:
+            raise ValueError(f"ids: expected rows in [0, {table.num_rows}), got values in [{lo}, {hi}]")
 
-    def extra_repr(self) -> str:
-        t = self.table
-        return super().extra_repr() + f", rows=[{t.row_start}, {t.row_end}) of {t.num_rows}"
+
+def _reference_ops(ops):
+    if ops is None:
+        from .. import reference as ops
+    return ops
+
+
+# ---- lookups -------------------------------------------------------------------------------------------
+def dtensor_rows(table, ids: torch.Tensor, dtype: torch.dtype | None = None, *, ops=None,
+                 validate: bool = True) -> torch.Tensor:
+    """``Table.rows`` of the sharded table: ids ``[T, NH]`` -> ``[T, NH * D]``. With replicated tokens every rank
+    passes the same ids; with ``tokens="sharded"`` each its own (`local_token_rows`)."""
+    ops = _reference_ops(ops)
+    _check_ids(table, ids, validate)
+    if getattr(table, "dtensor_tokens", "replicated") == "sharded":
+        return local_token_rows(table, ids, dtype, reduce=table.dtensor_reduce, ops=ops)
+    return _finish(table, _collect(table, ids, ops, Replicate()), ids, dtype, ops)
+
+
+register_dtensor_lookup(dtensor_rows)
+
+
+def local_token_rows(layer_or_table, ids: torch.Tensor, dtype: torch.dtype | None = None, *,
+                     counts: list[int] | None = None, reduce: str = "mean", ops=None, comm=None) -> torch.Tensor:
+    """Rows for this rank's own hash ids ``[T_k, NH]`` (each rank its own tokens): ``[T_k, NH * D]``.
+
+    ``counts`` lists every rank's ``T_k`` (default: all-gathered, a host sync). The ids of
+    all ranks are all-gathered (padded to the largest count), each rank looks up what it
+    holds, and the result goes back to each rank's tokens: a reduce-scatter (rows) or an
+    all-to-all (columns), DTensor's ``redistribute`` both ways, with its autograd.
+    ``reduce`` says whose gradient a float table gets: ``"mean"`` (of the ranks' mean loss,
+    as FSDP2 / DDP average the dense gradients) or ``"sum"``. Every rank must call it; a
+    rank with no tokens passes ``[0, NH]``. ``ops``: the op module (default: the layer's, or
+    the reference for a bare table). ``comm`` (a ``ple.distributed.Comm``), if given, counts
+    the bytes sent under ``"table_ids"`` and ``"table_rows"`` (``"table_rows_grad"`` in
+    backward), by `Comm`'s ring convention.
+    """
+    from ..layer import PLELayer
+
+    layer = layer_or_table if isinstance(layer_or_table, PLELayer) else None
+    table = layer.table if layer is not None else layer_or_table
+    if table_placement(table) is None:
+        raise TypeError("layer_or_table: expected a layer whose table is a DTensor (TableRowwise / TableColwise)")
+    if reduce not in _REDUCES:
+        raise ValueError(f"reduce: expected 'mean' or 'sum', got {reduce!r}")
+    ops = ops or (layer.ops if layer is not None else _reference_ops(None))
+    mesh = table.weight.device_mesh
+    _check_ids(table, ids, validate=False)
+    W, rank = mesh.size(), mesh.get_local_rank()
+    T, NH = ids.shape
+    if counts is None:
+        sizes = [torch.zeros(1, dtype=torch.int64, device=ids.device) for _ in range(W)]
+        dist.all_gather(sizes, torch.tensor([T], dtype=torch.int64, device=ids.device), group=mesh.get_group())
+        counts = [int(s) for s in sizes]
+    if len(counts) != W or counts[rank] != T:
+        raise ValueError(f"counts: expected {W} token counts with this rank's = {T}, got {counts}")
+    m = max(counts)
+    padded = torch.full((m, NH), -1, dtype=torch.int64, device=ids.device)     # -1: no row
+    padded[:T] = ids
+    all_ids = DTensor.from_local(padded, mesh, [Shard(0)], run_check=False).redistribute(
+        mesh, [Replicate()]).to_local()                                        # [W * m, NH]
+    got = _collect(table, all_ids, ops, Shard(0))[:T]                          # [T, NH, width]
+    if comm is not None:                        # what this rank sends: (W - 1) / W of its [W * m, NH, width_k]
+        width = got.shape[2] if table_placement(table) == "row" else table.weight.to_local().shape[1]
+        sent = (W - 1) * m * NH * width * got.element_size()
+        comm.count("table_ids", (W - 1) * padded.numel() * padded.element_size())
+        comm.count("table_rows", sent)
+        if got.requires_grad:
+            got.register_hook(lambda g: comm.count("table_rows_grad", sent))
+    if reduce == "mean" and W > 1 and got.requires_grad:
+        got.register_hook(lambda g: g / W)
+    return _finish(table, got, ids, dtype, ops)
+
+
+def join_table_lookup(layer) -> None:
+    """Take part in the table lookups of one layer step without tokens of your own (an idle serving rank).
+
+    With per-rank tokens (``input_layouts=Shard(0)``) every rank serves its own requests
+    from its own ``PLECache`` (no rank holds another's cache), but each lookup is a
+    collective: in a step where this rank has no request, call this once per PLE layer
+    where the others call ``layer.step`` (or ``layer(...)``).
+    """
+    table = layer.table
+    if getattr(table, "dtensor_tokens", None) != "sharded":
+        raise ValueError("layer: its table is not a DTensor with per-rank tokens (input_layouts=Shard(0)); "
+                         "with replicated tokens every rank runs every step")
+    dev = table.weight.to_local().device
+    with torch.no_grad():
+        rows = local_token_rows(layer, torch.zeros((0, layer.config.num_ngram_heads), dtype=torch.int64,
+                                                   device=dev), reduce=table.dtensor_reduce)
+        # DTensor's collectives are asynchronous until their result is used: use it, so none is left in flight
+        # (an unfinished one makes gloo abort at exit).
+        rows.sum()

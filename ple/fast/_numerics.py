@@ -5,10 +5,12 @@
   cannot do bfloat16 arithmetic), so the bit version gives the same bits on a GPU and
   under the interpreter. The one NaN rule: **every NaN becomes the canonical quiet NaN
   0x7FC0**, as PyTorch does on the CPU (so a NaN stays a NaN, its payload is dropped).
-  bfloat16 -> float32 is exact (a shift).
+  bfloat16 -> float32 is exact (a shift). `round_io` rounds a float32 value to the
+  inputs' dtype by the ``IS_BF16`` / ``IS_FP16`` flags; `rnd` by the dtype ``DT`` itself.
 * **Accumulation dtype.** ``acc_dtype`` (the reference's rule, re-exported):
   ``torch.promote_types(dtype, float32)``, i.e. float32, or float64 for float64 inputs.
-  Kernels get it as the ``IS_FP64`` flag (`is_fp64`).
+  Kernels get it as the ``IS_FP64`` flag (`is_fp64`); `to_acc`, `rsqrt` and `scalars` (``eps``
+  and ``sqrt(H)``, the host passing ``eps`` as two float32 halves, `eps_parts`) compute in it.
 * **Block sizes and tiles.** `pow2_block` (the next power of two, capped), `block_c` (channels
   per conv program), and the conv kernels' time tiles of variable-length requests, found on
   the device: `tile_grid` (how many programs, from shapes only) and `tile_of` (the request and
@@ -31,7 +33,7 @@ from ..reference.gate import acc_dtype
 __all__ = ["acc_dtype", "is_fp64", "deterministic", "DETERMINISTIC_CHUNK",
            "pow2_block", "block_c", "tile_grid", "search_steps", "tile_of", "TIME_BLOCK",
            "MAX_BLOCK_C", "bf16_to_f32", "f32_to_bf16", "round_bf16", "up", "down",
-           "rnd", "convert", "silu"]
+           "rnd", "convert", "silu", "round_io", "to_acc", "rsqrt", "scalars", "eps_parts"]
 
 
 def is_fp64(dtype: torch.dtype) -> bool:
@@ -120,6 +122,64 @@ def convert(x, DT: tl.constexpr, IS_SRC_BF16: tl.constexpr, IS_DST_BF16: tl.cons
 @triton.jit
 def silu(a):
     return a * tl.sigmoid(a)
+
+
+@triton.jit
+def round_io(x, IS_BF16: tl.constexpr, IS_FP16: tl.constexpr):
+    """Round float32 ``x`` to the input dtype and back (identity for float32 / float64 inputs)."""
+    r = x
+    if IS_BF16:
+        r = round_bf16(x)
+    if IS_FP16:
+        r = x.to(tl.float16).to(tl.float32)
+    return r
+
+
+# ---- the accumulation dtype ------------------------------------------------------------------------
+
+
+@triton.jit
+def to_acc(x, IS_FP64: tl.constexpr):
+    """``x`` in the accumulation dtype (a plain cast: for values that are float32 / float64 already, or zeros)."""
+    if IS_FP64:
+        y = x.to(tl.float64)
+    else:
+        y = x.to(tl.float32)
+    return y
+
+
+@triton.jit
+def rsqrt(x, IS_FP64: tl.constexpr):
+    """``1 / sqrt(x)``: IEEE sqrt and division in float64, ``tl.rsqrt`` in float32."""
+    if IS_FP64:
+        y = 1.0 / tl.sqrt(x)
+    else:
+        y = tl.rsqrt(x)
+    return y
+
+
+@triton.jit
+def scalars(H, eps_hi, eps_lo, sqrt_h, IS_FP64: tl.constexpr):
+    """``eps`` and ``sqrt(H)`` in the compute dtype.
+
+    Float kernel arguments are float32, so a float64 kernel gets ``eps`` as the sum of two
+    float32 halves (`eps_parts`) and computes ``sqrt(H)`` itself; a float32 kernel uses ``eps``
+    and ``sqrt(H)`` rounded to float32, as torch does with a Python scalar.
+    """
+    if IS_FP64:
+        eps = (tl.zeros([], dtype=tl.float64) + eps_hi) + eps_lo
+        root = tl.sqrt(tl.zeros([], dtype=tl.float64) + H)
+    else:
+        eps = eps_hi
+        root = sqrt_h
+    return eps, root
+
+
+def eps_parts(eps: float) -> tuple[float, float]:
+    """``eps`` as float32 ``hi + lo`` (exact to about 48 bits) for the float64 kernels (`scalars`)."""
+    hi = float(torch.tensor(eps, dtype=torch.float32))
+    lo = float(torch.tensor(eps - hi, dtype=torch.float32))
+    return hi, lo
 
 
 # ---- tiles of the conv kernels (host side) --------------------------------------------------------

@@ -32,7 +32,8 @@ old column ``n + i``; all of a chunk's values are loaded before a barrier, then 
 in-place shift cannot race. Rows of a request on the null slot get no conv term and its slot is
 neither read nor written. With ``token_indices``, physical rows no logical row maps to are zeroed.
 
-Numerics: the gate's and the conv's rounding points (``ple.fast.gate``, ``ple.fast.conv``), with
+Numerics: the gate's and the conv's rounding points (``ple.fast._gate_math``: the gate's arithmetic, the
+helpers the fast gate calls too, e.g. ``row_scalars`` for loops 1-3; ``ple.fast.conv``), with
 reductions in float32 (float64 for float64 inputs); only the order of the float32 sums over H
 differs from the reference (chunked here), as it does for the fast gate.
 
@@ -42,6 +43,8 @@ gate's backward (``gate._gate_bwd``); ``dhidden`` adds the residual's ``dout``.
 
 Registered as ``torch.ops.ple.ple_prefill`` (functional, with autograd; backward
 ``ple.ple_prefill_backward``) and ``torch.ops.ple.ple_prefill_serving`` (mutates ``conv_state``).
+``prefill_conv_inputs`` (the conv inputs the state kernel writes, for tests) lives in
+``ple.fast.prefill_inputs`` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -52,81 +55,24 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _checks
 from ..reference import prefill as _reference
+from . import _numerics
 from . import gate as _gate
 from . import training_conv as _tconv
+from ._gate_math import BLOCK_H, STATE_WARPS, conv_input, gated, row_scalars
 from ._library import register, twin
-from ._numerics import convert, down, is_fp64, rnd, search_steps, silu, tile_grid, tile_of, up
-from .gate import _eps_parts, _gate_clamp, _rsqrt, _scalars, _to_acc
+from ._numerics import convert, down, rnd, scalars, silu, tile_of, to_acc, up
+from .prefill_inputs import prefill_conv_inputs
 
-__all__ = ["ple_prefill"]
+__all__ = ["ple_prefill", "prefill_conv_inputs"]
 
-BLOCK_H = 32            # channels per chunk
-NUM_WARPS = 4
-STATE_WARPS = 2        # the state kernel's [next_power_of_2(S), BLOCK_H] tiles: 8 channels per thread
+NUM_WARPS = 4           # the main kernel's warps (BLOCK_H, STATE_WARPS: ``_gate_math``, shared with prefill_inputs)
 
 
 def block_rows(S: int) -> int:
     """Rows per program (halo + tile): a power of two with at least 32 rows past the S-row halo."""
     return max(64, triton.next_power_of_2(S + 32))
-
-
-@triton.jit
-def _row_scalars(key_ptr, value_ptr, hid_ptr, wk_ptr, wq_ptr, prow, rmask, m, H,
-                 stride_key_t, stride_key_c, stride_value_t, stride_value_h, stride_hid_t, stride_hid_c,
-                 stride_wk_c, stride_wq_c, eps, sqrt_h,
-                 XT: tl.constexpr, IS_BF16: tl.constexpr, IS_W_BF16: tl.constexpr, IS_FP64: tl.constexpr,
-                 BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Per row of stream ``m``: the gate ``g`` and the conv norm's factor ``r_x`` (three loops over H)."""
-    hh = tl.arange(0, BLOCK_H).to(tl.int64)
-    zero = tl.zeros([BLOCK], dtype=tl.float32)
-    if IS_FP64:
-        zero = zero.to(tl.float64)
-    sk = zero
-    sq = zero
-    for h0 in range(0, H, BLOCK_H):
-        h = h0 + hh
-        c = m * H + h
-        msk = rmask[:, None] & (h < H)[None, :]
-        k = up(tl.load(key_ptr + prow[:, None] * stride_key_t + c[None, :] * stride_key_c, mask=msk, other=0.0),
-               IS_BF16, IS_FP64)
-        q = up(tl.load(hid_ptr + prow[:, None] * stride_hid_t + c[None, :] * stride_hid_c, mask=msk, other=0.0),
-               IS_BF16, IS_FP64)
-        sk += tl.sum(k * k, 1)
-        sq += tl.sum(q * q, 1)
-    r_k = _rsqrt(sk / H + eps, IS_FP64)
-    r_q = _rsqrt(sq / H + eps, IS_FP64)
-    sd = zero
-    for h0 in range(0, H, BLOCK_H):
-        h = h0 + hh
-        c = m * H + h
-        hm = h < H
-        msk = rmask[:, None] & hm[None, :]
-        k = up(tl.load(key_ptr + prow[:, None] * stride_key_t + c[None, :] * stride_key_c, mask=msk, other=0.0),
-               IS_BF16, IS_FP64)
-        q = up(tl.load(hid_ptr + prow[:, None] * stride_hid_t + c[None, :] * stride_hid_c, mask=msk, other=0.0),
-               IS_BF16, IS_FP64)
-        wk = _to_acc(tl.load(wk_ptr + c * stride_wk_c, mask=hm, other=0.0), IS_FP64)
-        wq = _to_acc(tl.load(wq_ptr + c * stride_wq_c, mask=hm, other=0.0), IS_FP64)
-        kn = rnd((k * r_k[:, None]) * (1.0 + wk[None, :]), XT, IS_BF16, IS_FP64)
-        qn = rnd((q * r_q[:, None]) * (1.0 + wq[None, :]), XT, IS_BF16, IS_FP64)
-        sd += tl.sum(rnd(kn * qn, XT, IS_BF16, IS_FP64), 1)
-    s = rnd(sd, XT, IS_BF16, IS_FP64)
-    s = rnd(s / sqrt_h, XT, IS_BF16, IS_FP64)
-    a = tl.abs(s)
-    mag = rnd(tl.sqrt(rnd(tl.maximum(a, _gate_clamp(IS_FP64)), XT, IS_BF16, IS_FP64)), XT, IS_BF16, IS_FP64)
-    sgn = tl.where(s > 0, 1.0, tl.where(s < 0, -1.0, 0.0))
-    g = rnd(1.0 / (1.0 + tl.exp(-(mag * sgn))), XT, IS_BF16, IS_FP64)
-    sx = zero
-    for h0 in range(0, H, BLOCK_H):
-        h = h0 + hh
-        msk = rmask[:, None] & (h < H)[None, :]
-        v = up(tl.load(value_ptr + prow[:, None] * stride_value_t + h[None, :] * stride_value_h, mask=msk,
-                       other=0.0), IS_BF16, IS_FP64)
-        x = rnd(g[:, None] * v, XT, IS_BF16, IS_FP64)
-        sx += tl.sum(x * x, 1)
-    r_x = _rsqrt(sx / H + eps, IS_FP64)
-    return g, r_x
 
 
 @triton.jit
@@ -177,7 +123,7 @@ def _prefill_kernel(
     S: tl.constexpr = (K - 1) * DILATION
     TILE: tl.constexpr = BLOCK_R - S
     XT = key_ptr.dtype.element_ty
-    eps, root = _scalars(H, eps_hi, eps_lo, sqrt_h, IS_FP64)
+    eps, root = scalars(H, eps_hi, eps_lo, sqrt_h, IS_FP64)
     m = tl.program_id(1).to(tl.int64)
     r, t0 = tile_of(tl.program_id(0), qsl_ptr, stride_qsl_r, R, steps, TILE)
     lo = tl.load(qsl_ptr + r * stride_qsl_r).to(tl.int64)
@@ -188,10 +134,10 @@ def _prefill_kernel(
     rmask = (p >= 0) & (p < n)                       # rows whose gate is needed (halo and tile)
     omask = (i >= S) & (p < n)                       # rows this program writes
     prow = _physical(rows_ptr, stride_rows_t, lo + p, rmask, HAS_TOKEN_INDICES)
-    g, r_x = _row_scalars(key_ptr, value_ptr, hid_ptr, wk_ptr, wq_ptr, prow, rmask, m, H,
-                          stride_key_t, stride_key_c, stride_value_t, stride_value_h, stride_hid_t, stride_hid_c,
-                          stride_wk_c, stride_wq_c, eps, root, XT, IS_BF16, IS_W_BF16, IS_FP64,
-                          BLOCK_R, BLOCK_H)
+    g, r_x = row_scalars(key_ptr, value_ptr, hid_ptr, wk_ptr, wq_ptr, prow, rmask, m, H,
+                         stride_key_t, stride_key_c, stride_value_t, stride_value_h, stride_hid_t, stride_hid_c,
+                         stride_wk_c, stride_wq_c, eps, root, XT, IS_BF16, IS_W_BF16, IS_FP64,
+                         BLOCK_R, BLOCK_H)
     zt = p * 0
     if SERVING:
         slot = tl.load(slot_ptr + r * stride_slot_r).to(tl.int64)
@@ -207,7 +153,7 @@ def _prefill_kernel(
         h = h0 + hh
         hm = h < H
         c = m * H + h
-        wc1 = 1.0 + _to_acc(tl.load(wc_ptr + c * stride_wc_c, mask=hm, other=0.0), IS_FP64)
+        wc1 = 1.0 + to_acc(tl.load(wc_ptr + c * stride_wc_c, mask=hm, other=0.0), IS_FP64)
         acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
         if IS_FP64:
             acc = acc.to(tl.float64)
@@ -228,8 +174,8 @@ def _prefill_kernel(
                 rs = _shift(r_x, i, lag)
             v = up(tl.load(value_ptr + srow[:, None] * stride_value_t + h[None, :] * stride_value_h,
                            mask=in_req[:, None] & hm[None, :], other=0.0), IS_BF16, IS_FP64)
-            x = rnd(gs[:, None] * v, XT, IS_BF16, IS_FP64)
-            u = rnd((x * rs[:, None]) * wc1[None, :], XT, IS_BF16, IS_FP64)
+            x = gated(gs[:, None], v, XT, IS_BF16, IS_FP64)
+            u = conv_input(x * rs[:, None], wc1[None, :], XT, IS_BF16, IS_FP64)
             if HAS_KEEP:
                 u = u * kf[:, None]
             if SERVING:
@@ -276,7 +222,7 @@ def _prefill_state_kernel(
     S: tl.constexpr = (K - 1) * DILATION
     XT = key_ptr.dtype.element_ty
     ST = state_ptr.dtype.element_ty
-    eps, root = _scalars(H, eps_hi, eps_lo, sqrt_h, IS_FP64)
+    eps, root = scalars(H, eps_hi, eps_lo, sqrt_h, IS_FP64)
     r = tl.program_id(0).to(tl.int64)
     m = tl.program_id(1).to(tl.int64)
     lo = tl.load(qsl_ptr + r * stride_qsl_r).to(tl.int64)
@@ -293,10 +239,10 @@ def _prefill_state_kernel(
     else:
         from_state = from_state & (zi != zi)
     prow = _physical(rows_ptr, stride_rows_t, lo + p, from_x, HAS_TOKEN_INDICES)
-    g, r_x = _row_scalars(key_ptr, value_ptr, hid_ptr, wk_ptr, wq_ptr, prow, from_x, m, H,
-                          stride_key_t, stride_key_c, stride_value_t, stride_value_h, stride_hid_t, stride_hid_c,
-                          stride_wk_c, stride_wq_c, eps, root, XT, IS_BF16, IS_W_BF16, IS_FP64,
-                          BLOCK_S, BLOCK_H)
+    g, r_x = row_scalars(key_ptr, value_ptr, hid_ptr, wk_ptr, wq_ptr, prow, from_x, m, H,
+                         stride_key_t, stride_key_c, stride_value_t, stride_value_h, stride_hid_t, stride_hid_c,
+                         stride_wk_c, stride_wq_c, eps, root, XT, IS_BF16, IS_W_BF16, IS_FP64,
+                         BLOCK_S, BLOCK_H)
     kf = _keep_of(keep_ptr, stride_keep_t, prow, from_x, HAS_KEEP, IS_FP64)
     state_row = state_ptr + slot * stride_state_n
     hh = tl.arange(0, BLOCK_H).to(tl.int64)
@@ -304,11 +250,11 @@ def _prefill_state_kernel(
         h = h0 + hh
         hm = h < H
         c = m * H + h
-        wc1 = 1.0 + _to_acc(tl.load(wc_ptr + c * stride_wc_c, mask=hm, other=0.0), IS_FP64)
+        wc1 = 1.0 + to_acc(tl.load(wc_ptr + c * stride_wc_c, mask=hm, other=0.0), IS_FP64)
         v = up(tl.load(value_ptr + prow[:, None] * stride_value_t + h[None, :] * stride_value_h,
                        mask=from_x[:, None] & hm[None, :], other=0.0), IS_BF16, IS_FP64)
-        x = rnd(g[:, None] * v, XT, IS_BF16, IS_FP64)
-        u = down(rnd((x * r_x[:, None]) * wc1[None, :], XT, IS_BF16, IS_FP64) * kf[:, None], XT, IS_BF16)
+        x = gated(g[:, None], v, XT, IS_BF16, IS_FP64)
+        u = down(conv_input(x * r_x[:, None], wc1[None, :], XT, IS_BF16, IS_FP64) * kf[:, None], XT, IS_BF16)
         sv = tl.load(state_row + (n + i)[:, None] * stride_state_w + c[None, :] * stride_state_c,
                      mask=from_state[:, None] & hm[None, :], other=0.0)
         if IS_STATE_SAME_DTYPE:
@@ -322,75 +268,12 @@ def _prefill_state_kernel(
         tl.debug_barrier()
 
 
-@triton.jit
-def _conv_inputs_kernel(
-    key_ptr, value_ptr, hid_ptr, wk_ptr, wq_ptr, wc_ptr, out_ptr,
-    T, H, eps_hi, eps_lo, sqrt_h,
-    stride_key_t, stride_key_c, stride_value_t, stride_value_h, stride_hid_t, stride_hid_c,
-    stride_wk_c, stride_wq_c, stride_wc_c, stride_out_t, stride_out_c,
-    IS_BF16: tl.constexpr, IS_W_BF16: tl.constexpr, IS_FP64: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
-):
-    """Conv inputs of ``BLOCK_S`` rows, stream ``program_id(1)``: the state kernel's arithmetic and tile shape."""
-    XT = key_ptr.dtype.element_ty
-    eps, root = _scalars(H, eps_hi, eps_lo, sqrt_h, IS_FP64)
-    m = tl.program_id(1).to(tl.int64)
-    prow = tl.program_id(0).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
-    rmask = prow < T
-    g, r_x = _row_scalars(key_ptr, value_ptr, hid_ptr, wk_ptr, wq_ptr, prow, rmask, m, H,
-                          stride_key_t, stride_key_c, stride_value_t, stride_value_h, stride_hid_t, stride_hid_c,
-                          stride_wk_c, stride_wq_c, eps, root, XT, IS_BF16, IS_W_BF16, IS_FP64,
-                          BLOCK_S, BLOCK_H)
-    hh = tl.arange(0, BLOCK_H).to(tl.int64)
-    for h0 in range(0, H, BLOCK_H):
-        h = h0 + hh
-        hm = h < H
-        c = m * H + h
-        wc1 = 1.0 + _to_acc(tl.load(wc_ptr + c * stride_wc_c, mask=hm, other=0.0), IS_FP64)
-        msk = rmask[:, None] & hm[None, :]
-        v = up(tl.load(value_ptr + prow[:, None] * stride_value_t + h[None, :] * stride_value_h, mask=msk,
-                       other=0.0), IS_BF16, IS_FP64)
-        x = rnd(g[:, None] * v, XT, IS_BF16, IS_FP64)
-        u = down(rnd((x * r_x[:, None]) * wc1[None, :], XT, IS_BF16, IS_FP64), XT, IS_BF16)
-        tl.store(out_ptr + prow[:, None] * stride_out_t + c[None, :] * stride_out_c, u, mask=msk)
-
-
-def prefill_conv_inputs(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor,
-                        norm_key_weight: torch.Tensor, norm_query_weight: torch.Tensor,
-                        norm_conv_weight: torch.Tensor, eps: float, state_len: int) -> torch.Tensor:
-    """``[T, C]`` conv inputs (no mask) as the serving prefill writes them into a state of ``state_len`` S.
-
-    The gate's conv input computed by the state kernel's own code at its own tile shape, so its bits are
-    those ``ple_prefill`` leaves in the conv state. (In bfloat16 they equal ``ple_gate``'s; in float32 the
-    sums over H may end one ulp apart, their order being chunked differently.) For tests that check a
-    state against the conv inputs of its history, e.g. ``ple.testing.serving.replay``.
-    """
-    T, C = key.shape
-    out = torch.empty((T, C), dtype=key.dtype, device=key.device)
-    if T == 0 or C == 0:
-        return out
-    H = value.shape[1]
-    eps_hi, eps_lo = _eps_parts(eps)
-    block = triton.next_power_of_2(max(state_len, 1))
-    wk, wq, wc = norm_key_weight, norm_query_weight, norm_conv_weight
-    _conv_inputs_kernel[(triton.cdiv(T, block), C // H)](
-        key_ptr=key, value_ptr=value, hid_ptr=hidden_states, wk_ptr=wk, wq_ptr=wq, wc_ptr=wc, out_ptr=out,
-        T=T, H=H, eps_hi=eps_hi, eps_lo=eps_lo, sqrt_h=math.sqrt(H),
-        stride_key_t=key.stride(0), stride_key_c=key.stride(1), stride_value_t=value.stride(0),
-        stride_value_h=value.stride(1), stride_hid_t=hidden_states.stride(0), stride_hid_c=hidden_states.stride(1),
-        stride_wk_c=wk.stride(0), stride_wq_c=wq.stride(0), stride_wc_c=wc.stride(0),
-        stride_out_t=out.stride(0), stride_out_c=out.stride(1),
-        IS_BF16=key.dtype == torch.bfloat16, IS_W_BF16=False, IS_FP64=is_fp64(key.dtype),
-        BLOCK_S=block, BLOCK_H=BLOCK_H, num_warps=STATE_WARPS)
-    return out
-
-
 # ---- launchers -------------------------------------------------------------------------------------
 
 
 def _common(key, value, hidden_states, wk, wq, wc, eps, keep, token_indices, placeholder) -> dict:
     H = value.shape[1]
-    eps_hi, eps_lo = _eps_parts(eps)
+    eps_hi, eps_lo = _numerics.eps_parts(eps)
     rows = token_indices if token_indices is not None else placeholder
     kp = keep if keep is not None else placeholder
     if kp.dtype == torch.bool:
@@ -403,7 +286,8 @@ def _common(key, value, hidden_states, wk, wq, wc, eps, keep, token_indices, pla
         stride_wk_c=wk.stride(0), stride_wq_c=wq.stride(0), stride_wc_c=wc.stride(0),
         stride_rows_t=rows.stride(0), stride_keep_t=kp.stride(0),
         HAS_TOKEN_INDICES=token_indices is not None, HAS_KEEP=keep is not None,
-        IS_BF16=key.dtype == torch.bfloat16, IS_FP64=is_fp64(key.dtype), BLOCK_H=BLOCK_H, num_warps=NUM_WARPS)
+        IS_BF16=key.dtype == torch.bfloat16, IS_FP64=_numerics.is_fp64(key.dtype), BLOCK_H=BLOCK_H,
+        num_warps=NUM_WARPS)
 
 
 def _prefill_fwd(key, value, hidden_states, wk, wq, wc, eps, conv_weights, dilation, query_start_loc, keep,
@@ -436,10 +320,10 @@ def _prefill_fwd(key, value, hidden_states, wk, wq, wc, eps, conv_weights, dilat
         IS_STATE_BF16=state.dtype == torch.bfloat16, IS_STATE_SAME_DTYPE=state.dtype == key.dtype)
     br = block_rows(S)
     tile = br - S
-    grid0 = tile_grid(num_rows, R, tile)
+    grid0 = _numerics.tile_grid(num_rows, R, tile)
     wt = conv_weights.t().contiguous()              # [K, C]: the taps' channel rows contiguous
     _prefill_kernel[(grid0, M)](
-        w_ptr=wt, out_ptr=out, R=R, steps=search_steps(R), stride_w_c=wt.stride(1), stride_w_k=wt.stride(0),
+        w_ptr=wt, out_ptr=out, R=R, steps=_numerics.search_steps(R), stride_w_c=wt.stride(1), stride_w_k=wt.stride(0),
         stride_out_t=out.stride(0), stride_out_c=out.stride(1), SERVING=serving,
         IS_W_BF16=conv_weights.dtype == torch.bfloat16, BLOCK_R=br, **index_args, **common)
     if serving and S > 0:
@@ -471,7 +355,7 @@ def _prefill_bwd(dout, key, value, hidden_states, wk, wq, wc, eps, conv_weights,
 
 def _check_values(key, conv_weights, dilation, query_start_loc, conv_state, state_indices, has_initial_states,
                   token_indices, null_slot):
-    _reference.prefill_values(key, conv_weights, dilation=dilation, query_start_loc=query_start_loc,
+    _checks.prefill_values(key, conv_weights, dilation=dilation, query_start_loc=query_start_loc,
                               conv_state=conv_state, state_indices=state_indices,
                               has_initial_states=has_initial_states, token_indices=token_indices,
                               null_slot=null_slot)
@@ -549,7 +433,7 @@ _serving_op = register("ple_prefill_serving", _serving_impl, fake=_serving_fake,
 def ple_prefill(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps, conv_weights,
                 *, dilation, query_start_loc, keep=None, conv_state=None, state_indices=None,
                 has_initial_states=None, token_indices=None, null_slot=0, validate=True):
-    _reference.prefill_meta(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
+    _checks.prefill_meta(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
                             conv_weights, dilation=dilation, query_start_loc=query_start_loc, keep=keep,
                             conv_state=conv_state, state_indices=state_indices,
                             has_initial_states=has_initial_states, token_indices=token_indices, null_slot=null_slot)

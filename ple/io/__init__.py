@@ -10,16 +10,18 @@
   that hold them; `read_table` reads the whole table the same way.
 * `save`: the same layout, sharded and optionally quantized, streamed to disk.
 * `convert`: re-shard a checkpoint's tables or change their dtype, block by block.
+* ``ple.io.policy``: what transformers would load wrong, and the ``ple_only`` mark.
 * `inspect`: what a checkpoint holds, from its headers.
 
 Command line: ``python -m ple inspect PATH`` and ``python -m ple convert SRC DST``.
 """
 
+from .convert import convert
 from .files import Checkpoint, TensorInfo
 from .inspect import format_inspect, inspect
 from .layout import MODEL_PREFIX, LayerPlan, find_layers, model_prefix, plan_layer, shard_rows
 from .load import LoadReport, load_layer, load_layers, read_table, read_table_rows, resolve_config
-from .save import convert, save
+from .save import save
 
 __all__ = [
     "Checkpoint", "TensorInfo", "inspect", "format_inspect", "MODEL_PREFIX", "LayerPlan", "find_layers",

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 import sys
 
+from .convert import convert
 from .inspect import format_inspect, inspect
-from .save import TABLE_DTYPES, convert
+from .save import TABLE_DTYPES
 
 __all__ = ["register"]
 

@@ -1,40 +1,44 @@
 """safetensors files: a header-only index over one or many files, and a streaming writer.
 
-`Checkpoint.open` reads headers only (names, dtypes, shapes); tensor data is read on
-demand, a block of rows at a time, through ``safe_open(...).get_slice`` (memory-mapped),
-so nothing larger than the block asked for is ever in memory. A file that is not
-safetensors (a ``torch.save`` pickle), truncated, or cut short after it was opened is a
-``ValueError`` naming the file (and the tensor being read). `write_file` writes a
-safetensors file from tensors given as *producers* of row blocks, so a table larger
-than RAM can be re-sharded or converted one block at a time.
+Reading goes through the ``safetensors`` library: `Checkpoint.open` opens each file with
+``safe_open`` (which checks the header as safetensors does: JSON, dtypes, offsets contiguous,
+sizes matching shapes, the data covering the file exactly) and takes the metadata, the keys
+and each tensor's dtype and shape from it (``metadata()``, ``offset_keys()``,
+``get_slice(key).get_dtype()`` / ``get_shape()``); tensor data is read on demand, a block of
+rows at a time, through ``get_slice(key)[a:b]`` (memory-mapped), so nothing larger than the
+block asked for is ever in memory. FP8 (``F8_E4M3``, ``F8_E5M2``) too: the torch framework
+makes float8 tensors and slices since safetensors PR #404 (early 2024; an older safetensors
+fails such a read with a ``ValueError`` naming the key and the file).
+
+Hand-written, because the library does not cover it (each place says why): the diagnosis of a
+file ``safe_open`` refuses (its errors name neither the file nor the tensor cut off, nor a
+``torch.save`` file as one), the positioned reads of a file it cannot memory-map (it has no
+other way to read, and does not expose the tensors' byte offsets), the size check of a mapped
+file before each read (a mapped read past the end of a file cut short after opening would
+crash the process), and the streaming writer (``safetensors.torch.save_file`` needs every
+tensor in memory at once). A file that is not safetensors (a ``torch.save`` pickle),
+truncated, or cut short after it was opened is a ``ValueError`` naming the file (and the
+tensor being read). The writer (`Entry`, `write_file`, `write_files`) is ``ple.io.writer``'s,
+re-exported here.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .._progress import byte_bar
+from .writer import INDEX_NAME, ST_DTYPES, Entry, bytes_of, write_file, write_files
 
 __all__ = ["TensorInfo", "Checkpoint", "Entry", "write_file", "write_files", "INDEX_NAME",
            "ST_DTYPES", "dtype_name", "human_bytes"]
 
-INDEX_NAME = "model.safetensors.index.json"
 _INDEX_SUFFIX = ".safetensors.index.json"
-
-ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}
-_ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -97,15 +101,31 @@ def _not_safetensors(file: Path, size: int, head: bytes, why: str) -> ValueError
                       f"safetensors.torch.save_file")
 
 
-def read_header(file: Path) -> tuple[dict, dict[str, tuple[torch.dtype, tuple, int, int]]]:
+def _library_header(file: Path, size: int, handle) -> tuple[dict, dict[str, tuple[torch.dtype, tuple]]]:
+    """``(metadata, {key: (dtype, shape)})`` of a file ``safe_open`` opened (so checked), keys in file order."""
+    keys = handle.offset_keys() if hasattr(handle, "offset_keys") else handle.keys()   # older: sorted by name
+    tensors = {}
+    for key in keys:
+        piece = handle.get_slice(key)
+        name = piece.get_dtype()
+        if name not in ST_DTYPES:                   # one the library knows and ple does not (F8_E8M0, U16, ...)
+            raise _bad(file, size, f"{key}: unsupported dtype {name}")
+        tensors[key] = (ST_DTYPES[name], tuple(int(d) for d in piece.get_shape()))
+    return handle.metadata() or {}, tensors
+
+
+def _parse_header(file: Path) -> tuple[dict, dict[str, tuple[torch.dtype, tuple, int, int]]]:
     """``(metadata, {key: (dtype, shape, begin, end)})`` of one file, byte offsets from the file start.
 
-    Reads the 8-byte length and the JSON header only, and checks them as safetensors
-    does: offsets contiguous, sizes matching shapes, and the data ending exactly at the
-    end of the file (so a truncated file is caught before anything is read).
+    Hand-written, for the files ``safe_open`` refuses, and only for them: it checks the
+    header as safetensors does (offsets contiguous, sizes matching shapes, the data ending
+    exactly at the end of the file), but says which file, which tensor and what is wrong
+    (a ``torch.save`` file named as one, the tensor a truncated file cuts off, trailing
+    bytes), where the library's error names neither. A file it finds sound is one the
+    library could not map: its offsets, which the library does not expose (safetensors
+    issue #569, declined as "trivial to do in pure python"), serve `Checkpoint`'s
+    positioned reads. Reads the 8-byte length and the JSON header only.
     """
-    if not file.exists():
-        raise ValueError(f"path: {file} does not exist")
     size = file.stat().st_size
     with open(file, "rb") as fh:
         head = fh.read(8)
@@ -162,12 +182,12 @@ class Checkpoint:
     Open with `Checkpoint.open` from a ``.safetensors`` file, a directory (its
     ``model.safetensors.index.json`` if present, else its only ``*.safetensors.index.json``,
     else every ``*.safetensors`` in it), an index file itself (like its directory, with
-    that index) or a list of files. Opening reads and checks the headers only
-    (`read_header`); a key in two files, an index entry its file lacks, or a bad file is
-    a ``ValueError``.
+    that index) or a list of files. Opening reads and checks the headers only (``safe_open``;
+    `_parse_header` says what is wrong with a file it refuses); a key in two files, an index
+    entry its file lacks, or a bad file is a ``ValueError``.
 
     Data is read by `read`: ``safe_open(...).get_slice`` (memory-mapped) where the
-    file can be mapped, else positioned reads of just the rows asked for. A file whose
+    library can map the file, else positioned reads of just the rows asked for. A file whose
     size changed since it was opened (truncated, or rewritten) is a ``ValueError``
     naming the file and the key, before any of its data is touched.
     """
@@ -177,19 +197,26 @@ class Checkpoint:
         self.files = files
         self.tensors: dict[str, TensorInfo] = {}
         self.metadata: dict[str, str] = {}
-        self._offsets: dict[str, tuple[int, int]] = {}
+        self._offsets: dict[str, tuple[int, int]] = {}      # byte ranges, of the files read unmapped only
         self._handles: dict[Path, object] = {}
         self._sizes: dict[Path, int] = {}
         for file in files:
-            metadata, tensors = read_header(file)
-            self._sizes[file] = file.stat().st_size
+            if not file.exists():
+                raise ValueError(f"path: {file} does not exist")
+            self._sizes[file] = size = file.stat().st_size
+            handle = self._handle(file)
+            if handle is not None:
+                metadata, tensors = _library_header(file, size, handle)
+            else:                                  # refused: say why, or read it unmapped (`_parse_header`)
+                metadata, parsed = _parse_header(file)
+                tensors = {key: (dtype, shape) for key, (dtype, shape, _, _) in parsed.items()}
+                self._offsets.update({key: (begin, end) for key, (_, _, begin, end) in parsed.items()})
             for k, v in metadata.items():
                 self.metadata.setdefault(k, v)
-            for key, (dtype, shape, begin, end) in tensors.items():
+            for key, (dtype, shape) in tensors.items():
                 if key in self.tensors:
                     raise ValueError(f"{key}: found in two files, {self.tensors[key].file} and {file}")
                 self.tensors[key] = TensorInfo(key, file, dtype, shape)
-                self._offsets[key] = (begin, end)
 
     @classmethod
     def open(cls, path) -> Checkpoint:
@@ -258,13 +285,14 @@ class Checkpoint:
         return sum(f.stat().st_size for f in self.files)
 
     def _handle(self, file: Path):
-        """A cached ``safe_open`` handle, or None where the file cannot be memory-mapped."""
+        """A cached ``safe_open`` handle, or None where the library refuses the file (a bad file, or one it
+        cannot memory-map, e.g. larger than the address space allows: `_parse_header` tells them apart)."""
         if file not in self._handles:
             from safetensors import safe_open
 
             try:
                 self._handles[file] = safe_open(str(file), framework="pt")
-            except Exception:  # e.g. mmap refused for a file larger than the address space allows
+            except Exception:  # its errors name neither the file nor the problem's tensor: _parse_header does
                 self._handles[file] = None
         return self._handles[file]
 
@@ -277,7 +305,9 @@ class Checkpoint:
         whole = start is None and stop is None
         if not whole and not info.shape:
             raise ValueError(f"{key}: a 0-d tensor has no rows to slice")
-        self._check_size(info)          # a memory-mapped read past the end of a cut file would crash
+        # Hand-written: a memory-mapped read past the end of a file cut short since it was opened would crash
+        # the process (SIGBUS), and the library maps the file once, at open, without checking again.
+        self._check_size(info)
         f = self._handle(info.file)
         if f is not None:
             try:
@@ -298,7 +328,7 @@ class Checkpoint:
                              f"checkpoint was opened (truncated file, or rewritten since?)")
 
     def _pread(self, info: TensorInfo, a: int, b: int) -> torch.Tensor:
-        """Rows ``[a, b)`` by a positioned read (no memory map)."""
+        """Rows ``[a, b)`` by a positioned read, for a file the library cannot map (it reads through a map only)."""
         begin, end = self._offsets[info.key]
         rows = info.shape[0] if info.shape else 1
         row_bytes = (end - begin) // rows if rows else 0
@@ -308,7 +338,7 @@ class Checkpoint:
         if n:
             with open(info.file, "rb") as fh:
                 fh.seek(begin + a * row_bytes)
-                got = fh.readinto((ctypes.c_char * n).from_address(out.data_ptr()))
+                got = fh.readinto(bytes_of(out))
             if got != n:
                 raise ValueError(f"{info.key}: {info.file} ended after {got} of the {n} bytes of rows "
                                  f"[{a}, {b}) (truncated file?)")
@@ -320,113 +350,3 @@ class Checkpoint:
         for a in range(start, stop, max(block_rows, 1)):
             b = min(a + block_rows, stop)
             yield a, self.read(key, a, b)
-
-
-# ---- writing -----------------------------------------------------------------------------------
-@dataclass
-class Entry:
-    """One tensor to write: its key, dtype and shape, and a producer of its row blocks in order.
-
-    ``produce()`` yields CPU tensors of ``dtype`` whose rows, concatenated along dim 0,
-    make the tensor (one block for a 0-d tensor).
-    """
-
-    key: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    produce: Callable[[], Iterable[torch.Tensor]]
-
-    @property
-    def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for s in self.shape:
-            n *= s
-        return n
-
-
-def _write_tensor(fh, t: torch.Tensor) -> int:
-    t = t.detach().to("cpu").contiguous()
-    n = t.numel() * t.element_size()
-    if n:
-        fh.write((ctypes.c_char * n).from_address(t.data_ptr()))
-    return n
-
-
-def write_file(path, entries: list[Entry], metadata: dict[str, str] | None = None) -> None:
-    """Write ``entries`` as one safetensors file, streaming each tensor block by block.
-
-    The file is written to ``path + ".tmp"`` and renamed when complete, so an
-    interrupted write never leaves a readable half file at ``path``.
-    """
-    path = Path(path)
-    header: dict = {}
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    offset = 0
-    for e in entries:
-        if e.dtype not in _ST_NAMES:
-            raise TypeError(f"{e.key}: dtype {e.dtype} cannot be stored in safetensors")
-        header[e.key] = {"dtype": _ST_NAMES[e.dtype], "shape": list(e.shape),
-                         "data_offsets": [offset, offset + e.nbytes]}
-        offset += e.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    blob += b" " * (-len(blob) % 8)
-    tmp = path.with_name(path.name + ".tmp")
-    bar = byte_bar(offset, desc=path.name)                 # a progress bar on a terminal, silent otherwise
-    try:
-        with open(tmp, "wb") as fh:
-            fh.write(struct.pack("<Q", len(blob)))
-            fh.write(blob)
-            for e in entries:
-                written = 0
-                for block in e.produce():
-                    if block.dtype != e.dtype:
-                        raise TypeError(f"{e.key}: a block came as {block.dtype}, expected {e.dtype}")
-                    n = _write_tensor(fh, block)
-                    written += n
-                    bar.update(n)
-                if written != e.nbytes:
-                    raise ValueError(f"{e.key}: the producer gave {written} bytes, expected {e.nbytes} "
-                                     f"for shape {list(e.shape)}")
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    finally:
-        bar.close()
-    os.replace(tmp, path)
-
-
-def write_files(directory, entries: list[Entry], *, max_file_bytes: int | None = None,
-                metadata: dict[str, str] | None = None, stem: str = "model") -> list[Path]:
-    """Write ``entries`` into ``directory``: one ``model.safetensors``, or
-    ``model-0000i-of-0000n.safetensors`` files of at most ``max_file_bytes`` each (a larger
-    tensor gets a file of its own) plus ``model.safetensors.index.json``, the Hugging Face
-    layout. Returns the files written.
-    """
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    groups: list[list[Entry]] = [[]]
-    size = 0
-    for e in entries:
-        if max_file_bytes is not None and groups[-1] and size + e.nbytes > max_file_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(e)
-        size += e.nbytes
-    if len(groups) == 1:
-        names = [f"{stem}.safetensors"]
-    else:
-        names = [f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-    index = directory / INDEX_NAME
-    if index.exists():
-        index.unlink()
-    written = []
-    for name, group in zip(names, groups, strict=True):
-        write_file(directory / name, group, metadata)
-        written.append(directory / name)
-    if len(groups) > 1:
-        weight_map = {e.key: name for name, group in zip(names, groups, strict=True) for e in group}
-        total = sum(e.nbytes for e in entries)
-        with open(index, "w", encoding="utf-8") as fh:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
-    return written

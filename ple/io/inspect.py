@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 
 from ..config import PLEConfig
@@ -10,7 +9,7 @@ from ..reference.hashing import hash_params
 from .files import Checkpoint, dtype_name, human_bytes
 from .layout import BUFFERS, find_layers, plan_layer
 from .load import identify_index, resolve_config
-from .save import PLE_ONLY_KEY, PLE_ONLY_METADATA_KEY, transformers_problems
+from .policy import is_marked, problems_of
 
 __all__ = ["inspect", "format_inspect"]
 
@@ -76,7 +75,7 @@ def inspect(path, config=None) -> dict:
                   total_bytes=ckpt.total_bytes, config=None if cfg is None else cfg.to_dict(),
                   config_error=config_error, layers=[])
     claimed = set()
-    problems: list[str] = []
+    kinds = []                                    # (table scheme, merged kv) of the layers planned
     for pos, prefix in enumerate(layers):
         keys = [k for k in ckpt.keys() if k.startswith(prefix)]
         claimed.update(keys)
@@ -107,26 +106,13 @@ def inspect(path, config=None) -> dict:
                     kind = "float" if plan.scheme is None else plan.scheme.name
                     entry["table"] = dict(rows=plan.num_rows, dim=plan.dim, scheme=kind, parts=plan.parts,
                                           dtype=dtype_name(plan.table_dtype), merged_kv=plan.merged_kv)
-                    problems += [p for p in transformers_problems(plan.scheme, plan.merged_kv) if p not in problems]
+                    kinds.append((plan.scheme, plan.merged_kv))
         report["layers"].append(entry)
-    report["ple_only"] = problems
-    report["ple_only_marked"] = _marked_ple_only(ckpt)
+    report["ple_only"] = problems_of(kinds)
+    report["ple_only_marked"] = is_marked(ckpt)
     others = [k for k in ckpt.keys() if k not in claimed]
     report["other"] = dict(count=len(others), bytes=sum(ckpt.info(k).nbytes for k in others))
     return report
-
-
-def _marked_ple_only(ckpt: Checkpoint) -> bool:
-    if PLE_ONLY_METADATA_KEY in ckpt.metadata:
-        return True
-    config = ckpt.root / "config.json"
-    if config.is_file():
-        try:
-            with open(config, encoding="utf-8") as fh:
-                return bool(json.load(fh).get(PLE_ONLY_KEY))
-        except (ValueError, AttributeError):
-            return False
-    return False
 
 
 def _shape_text(row: dict) -> str:

@@ -1,14 +1,15 @@
-"""Saving PLE layers in the model's layout, and converting checkpoints (re-shard, change the table dtype).
+"""Saving PLE layers in the model's layout; the table dtypes it takes, and the table as blocks to write.
 
-Both stream: every tensor is written from blocks of at most ``block_bytes``, so
-converting a table larger than RAM holds one block at a time (an FP8 target reads the
-table twice: once for its largest magnitude, once to quantize).
+Streams: every tensor is written from blocks of at most ``block_bytes``. The table's blocks
+(`table_entries`, from a layer in memory or, for ``ple.io.convert``, a `CheckpointTable`) are
+the ones `convert` re-shards or re-types too, so converting a table larger than RAM holds one
+block at a time (an FP8 target reads the table twice: once for its largest magnitude, once to
+quantize). What transformers would load wrong, and the ``ple_only`` mark: ``ple.io.policy``.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 from .. import _checks
 from ..config import PLEConfig
 from ..quant import SCHEMES, Scheme, dequantize, fp8_scale, quantize, scheme_of
-from .files import Checkpoint, Entry, dtype_name, write_file, write_files
+from .files import Checkpoint, Entry, write_file, write_files
 from .layout import (
     BUFFERS,
     CONV,
@@ -31,14 +32,13 @@ from .layout import (
     TABLE_SCALE,
     VALUE_PROJ,
     LayerPlan,
-    find_layers,
-    plan_layer,
     shard_rows,
 )
-from .load import BLOCK_BYTES, CONFIG_METADATA_KEY, identify_index, resolve_config, table_blocks
+from .load import BLOCK_BYTES, CONFIG_METADATA_KEY, table_blocks
+from .policy import mark_config, mark_metadata, refuse_unless_ple_only, transformers_problems
 
-__all__ = ["save", "convert", "parse_table_dtype", "TABLE_DTYPES", "transformers_problems", "PLE_ONLY_KEY",
-           "PLE_ONLY_METADATA_KEY", "WEIGHT_SUFFIXES"]
+__all__ = ["save", "parse_table_dtype", "TABLE_DTYPES", "table_entries", "tensor_entry", "CheckpointTable",
+           "prepare_dst", "write_checkpoint"]
 
 TABLE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
                 "fp8": SCHEMES["fp8"], "int8": SCHEMES["int8"]}
@@ -58,47 +58,6 @@ def parse_table_dtype(value):
         return TABLE_DTYPES[value]
     raise ValueError(f"table_dtype: expected one of {sorted(TABLE_DTYPES)} (or None to keep it), got "
                      f"{value!r}")
-
-
-# ---- what transformers would load wrong ------------------------------------------------------------
-PLE_ONLY_KEY = "ple_only"
-"""Key of ``config.json`` (and ``ple.only`` of the file metadata): why transformers cannot load the checkpoint."""
-PLE_ONLY_METADATA_KEY = "ple.only"
-WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
-"""Files `convert` does not copy from the source folder (weights; every other file is copied)."""
-
-
-def transformers_problems(table_scheme: Scheme | None, merged_kv: bool) -> list[str]:
-    """Why transformers (5.23) would load a PLE layer of this kind wrong (empty: it loads it right).
-
-    Its model has a float ``nn.Embedding`` table and separate ``key_proj`` / ``value_proj``.
-    No ``quantization_config`` transformers honours covers an embedding table with these
-    scales (its FP8 / int8 methods quantize ``nn.Linear`` weights), so it would ignore
-    ``weight_scale`` and use the raw FP8 / int8 values; and it would leave both projections
-    randomly initialised beside an unknown ``kv_proj``.
-    """
-    out = []
-    if table_scheme is not None:
-        out.append(f"{table_scheme.name} table: transformers would ignore its weight_scale and use the raw "
-                   f"{table_scheme.name} values")
-    if merged_kv:
-        out.append("merged kv_proj: transformers would leave key_proj and value_proj randomly initialised")
-    return out
-
-
-def _refuse_unless_ple_only(problems: list[str], ple_only: bool, arg: str) -> None:
-    if problems and not ple_only:
-        raise ValueError(f"{arg}: transformers would load this checkpoint wrong ({'; '.join(problems)}); pass "
-                         f"ple_only=True (--ple-only) to write it for ple only (config.json and `inspect` then "
-                         f"say so), or keep a float table and separate projections")
-
-
-def _mark_config(config: dict, problems: list[str]) -> dict:
-    """``config`` (a config.json dict) with the ple-only mark set to ``problems`` (removed when none)."""
-    config = {k: v for k, v in config.items() if k != PLE_ONLY_KEY}
-    if problems:
-        config[PLE_ONLY_KEY] = problems
-    return config
 
 
 # ---- table sources: the rows of a table, block by block ---------------------------------------------
@@ -141,7 +100,9 @@ class _MemoryTable(_TableSource):
             yield self.weight[a:b].cpu(), scale
 
 
-class _CheckpointTable(_TableSource):
+class CheckpointTable(_TableSource):
+    """The table of a checkpoint's layer (``plan``), read block by block."""
+
     def __init__(self, ckpt: Checkpoint, plan: LayerPlan):
         self.ckpt, self.plan = ckpt, plan
         self.num_rows, self.dim, self.dtype = plan.num_rows, plan.dim, plan.table_dtype
@@ -162,7 +123,7 @@ def _amax(src: _TableSource, block_rows: int) -> torch.Tensor:
     return amax
 
 
-def _table_entries(src: _TableSource, prefix: str, parts: int, target, block_bytes: int) -> list[Entry]:
+def table_entries(src: _TableSource, prefix: str, parts: int, target, block_bytes: int) -> list[Entry]:
     """Entries of the table of one layer in ``parts`` shards (0: whole) and ``target`` dtype / scheme."""
     rows, D = src.num_rows, src.dim
     target = parse_table_dtype(target)
@@ -208,30 +169,30 @@ def _table_entries(src: _TableSource, prefix: str, parts: int, target, block_byt
     return entries
 
 
-def _tensor_entry(key: str, t: torch.Tensor) -> Entry:
+def tensor_entry(key: str, t: torch.Tensor) -> Entry:
     t = t.detach().cpu().contiguous()
     return Entry(key, t.dtype, tuple(t.shape), lambda t=t: iter([t]))
 
 
 def _layer_entries(layer, prefix: str, *, parts: int, merged_kv: bool, table_dtype, block_bytes: int):
     e = layer.ple_embedding
-    out = _table_entries(_MemoryTable(e.ngram_embedding), prefix, parts, table_dtype, block_bytes)
+    out = table_entries(_MemoryTable(e.ngram_embedding), prefix, parts, table_dtype, block_bytes)
     buffers = (e.layer_multipliers, e.ngram_heads_vocab_sizes, e.ngram_heads_offsets)
     for key, t in zip(BUFFERS, buffers, strict=True):
-        out.append(_tensor_entry(prefix + key, t))
+        out.append(tensor_entry(prefix + key, t))
     if merged_kv:
         kv = torch.cat([layer.key_proj.weight, layer.value_proj.weight])     # [C + H, E], key rows first
-        out.append(_tensor_entry(prefix + KV_PROJ, kv))
+        out.append(tensor_entry(prefix + KV_PROJ, kv))
     else:
-        out += [_tensor_entry(prefix + KEY_PROJ, layer.key_proj.weight),
-                _tensor_entry(prefix + VALUE_PROJ, layer.value_proj.weight)]
+        out += [tensor_entry(prefix + KEY_PROJ, layer.key_proj.weight),
+                tensor_entry(prefix + VALUE_PROJ, layer.value_proj.weight)]
     for key, mod in zip(NORMS, (layer.norm_key, layer.norm_query, layer.norm_conv), strict=True):
-        out.append(_tensor_entry(prefix + key, mod.weight))
-    out.append(_tensor_entry(prefix + CONV, layer.conv1d.weight))
+        out.append(tensor_entry(prefix + key, mod.weight))
+    out.append(tensor_entry(prefix + CONV, layer.conv1d.weight))
     return out
 
 
-def _prepare_dst(path, overwrite: bool) -> tuple[Path, bool]:
+def prepare_dst(path, overwrite: bool) -> tuple[Path, bool]:
     """``(path, single_file)``; refuses to mix with an existing checkpoint unless ``overwrite``."""
     path = Path(path)
     single = path.suffix == ".safetensors"
@@ -247,8 +208,10 @@ def _prepare_dst(path, overwrite: bool) -> tuple[Path, bool]:
     return path, single
 
 
-def _write(path: Path, single: bool, entries, *, metadata, max_file_bytes, config: PLEConfig | None,
-           problems: list[str]):
+def write_checkpoint(path: Path, single: bool, entries, *, metadata, max_file_bytes, config: PLEConfig | None,
+                     problems: list[str]) -> list[Path]:
+    """Write ``entries`` to the checked destination of `prepare_dst` (with a ``config.json``, ple-only marked,
+    for a directory when ``config`` is given and there is none); returns the files written."""
     if single:
         if max_file_bytes is not None:
             raise ValueError("max_file_bytes: only for a directory checkpoint, not one .safetensors path")
@@ -258,7 +221,7 @@ def _write(path: Path, single: bool, entries, *, metadata, max_file_bytes, confi
     files = write_files(path, entries, max_file_bytes=max_file_bytes, metadata=metadata)
     if config is not None and not (path / "config.json").exists():
         with open(path / "config.json", "w", encoding="utf-8") as fh:
-            json.dump(_mark_config(config.to_dict(), problems), fh, indent=2)
+            json.dump(mark_config(config.to_dict(), problems), fh, indent=2)
     return files
 
 
@@ -282,7 +245,7 @@ def save(layers, path, *, prefix: str | None = None, parts: int | None = None, m
     ``"float32"``, or quantize: ``"fp8"`` / ``"int8"`` (``ple.quant``).
 
     transformers loads a float table with separate projections right, and would load a
-    quantized table or a merged ``kv_proj`` wrong (`transformers_problems`): those are a
+    quantized table or a merged ``kv_proj`` wrong (``ple.io.policy``): those are a
     ``ValueError`` unless ``ple_only=True``, which writes them with ``"ple_only"`` (the
     reasons) in ``config.json`` and ``ple.only`` in each file's metadata, as `inspect` reports.
     """
@@ -298,169 +261,19 @@ def save(layers, path, *, prefix: str | None = None, parts: int | None = None, m
     schemes = {table_dtype if table_dtype is not None else scheme_of(la.table.weight.dtype) for la in layers}
     scheme = next((s for s in schemes if isinstance(s, Scheme)), None)
     problems = transformers_problems(scheme, merged_kv)
-    _refuse_unless_ple_only(problems, ple_only, "table_dtype" if scheme is not None else "merged_kv")
+    refuse_unless_ple_only(problems, ple_only)
     template = MODEL_PREFIX if prefix is None else prefix
     prefixes = [template.format(i=cfg.ple_layer_ids[layer.ple_layer_index] - 1, index=layer.ple_layer_index)
                 for layer in layers]
     if len(set(prefixes)) != len(prefixes):
         raise ValueError(f"prefix: {template!r} gives the same prefix to several layers; use {{i}} or "
                          f"{{index}}")
-    path, single = _prepare_dst(path, overwrite)
+    path, single = prepare_dst(path, overwrite)
     entries = []
     with torch.no_grad():
         for layer, pfx in zip(layers, prefixes, strict=True):
             entries += _layer_entries(layer, pfx, parts=parts, merged_kv=merged_kv, table_dtype=table_dtype,
                                       block_bytes=block_bytes)
-    meta = {"format": "pt", CONFIG_METADATA_KEY: json.dumps(cfg.to_dict())}
-    if problems:
-        meta[PLE_ONLY_METADATA_KEY] = json.dumps(problems)
-    return _write(path, single, entries, metadata=meta, max_file_bytes=max_file_bytes, config=cfg,
-                  problems=problems)
-
-
-def _copy_entry(ckpt: Checkpoint, key: str, block_bytes: int, new_key: str | None = None) -> Entry:
-    info = ckpt.info(key)
-
-    def produce():
-        if len(info.shape) == 0 or info.numel == 0:
-            yield ckpt.read(key)
-            return
-        row = max(info.nbytes // max(info.shape[0], 1), 1)
-        for _, block in ckpt.read_rows(key, 0, info.shape[0], block_rows=max(1, block_bytes // row)):
-            yield block
-
-    return Entry(new_key or key, info.dtype, info.shape, produce)
-
-
-def convert(src, dst, *, config=None, parts: int | None = None, table_dtype=None,
-            merged_kv: bool | None = None, max_file_bytes: int | None = None, block_bytes: int = BLOCK_BYTES,
-            overwrite: bool = False, ple_only: bool = False) -> dict:
-    """Rewrite the checkpoint ``src`` as ``dst``: re-shard the PLE tables and/or change their dtype.
-
-    Every PLE layer found is validated (as by `load_layer`) and rewritten with ``parts``
-    shards (default: as it is; 0 = whole), table dtype ``table_dtype`` (default: as it
-    is; see `save`) and, with ``merged_kv`` True / False, a merged ``kv_proj`` or
-    separate projections. Every other tensor, including unknown keys, is copied as it
-    is. For a directory ``dst``, every non-weight file of a ``src`` folder is copied
-    (``config.json``, ``generation_config.json``, tokenizer files, ...; not ``WEIGHT_SUFFIXES``).
-    Returns a summary.
-
-    An output transformers would load wrong (an FP8 / int8 table, or a merged ``kv_proj``;
-    see `transformers_problems`) is a ``ValueError`` unless ``ple_only=True``; then
-    ``config.json`` gets ``"ple_only"`` (the reasons) and each file ``ple.only`` in its
-    metadata. Converting back to a float table with separate projections removes the mark.
-    """
-    ckpt = Checkpoint.open(src)
-    cfg = resolve_config(ckpt, config)
-    if cfg is None:
-        raise ValueError(f"config: not given, and {ckpt.root} has neither a saved config nor a config.json")
-    if parts is not None:
-        _checks.int_arg("parts", parts, minimum=0)
-    target = parse_table_dtype(table_dtype)
-    layers = find_layers(ckpt)
-    if not layers:
-        raise ValueError(f"src: no PLE layer in the checkpoint at {ckpt.root}")
-    plans = []
-    for pos, pfx in enumerate(layers):
-        index = identify_index(ckpt, pfx, cfg)
-        if index is None:
-            if len(layers) != cfg.num_ple_layers:
-                raise ValueError(f"{pfx}{BUFFERS[0]}: cannot tell which PLE index this layer is (no "
-                                 f"multipliers matching the config, and {len(layers)} layers for "
-                                 f"{cfg.num_ple_layers} in the config)")
-            index = pos
-        plans.append(plan_layer(ckpt, cfg, index, pfx))
-    problems = []
-    for plan in plans:
-        scheme = target if isinstance(target, Scheme) else plan.scheme if target is None else None
-        merged = plan.merged_kv if merged_kv is None else merged_kv
-        problems += [p for p in transformers_problems(scheme, merged) if p not in problems]
-    _refuse_unless_ple_only(problems, ple_only, "table_dtype" if any("table" in p for p in problems)
-                            else "merged_kv")
-    dst_path = Path(dst)
-    if any(f.resolve() in ((dst_path / f.name).resolve(), dst_path.resolve()) for f in ckpt.files):
-        raise ValueError(f"dst: {dst} would overwrite the source checkpoint; write somewhere else")
-
-    table_keys = {}      # first table key of a layer -> its plan; other table keys are dropped
-    drop = set()
-    for plan in plans:
-        keys = [pc.key for pc in plan.pieces] + [pc.scale_key for pc in plan.pieces if pc.scale_key]
-        keys += [plan.scale_key] if plan.scale_key else []
-        table_keys[plan.pieces[0].key] = plan
-        drop.update(keys)
-    proj = {}
-    for plan in plans:
-        want = plan.merged_kv if merged_kv is None else merged_kv
-        if want != plan.merged_kv:
-            p = plan.prefix
-            first = p + (KV_PROJ if plan.merged_kv else KEY_PROJ)
-            proj[first] = (plan, want)
-            drop.update([p + KV_PROJ] if plan.merged_kv else [p + KEY_PROJ, p + VALUE_PROJ])
-
-    entries = []
-    for key in ckpt.keys():
-        if key in table_keys:
-            plan = table_keys[key]
-            p = parts if parts is not None else plan.parts
-            entries += _table_entries(_CheckpointTable(ckpt, plan), plan.prefix, p, target, block_bytes)
-        elif key in proj:
-            plan, want = proj[key]
-            entries += _kv_entries(ckpt, plan, want)
-        elif key not in drop:
-            entries.append(_copy_entry(ckpt, key, block_bytes))
-
-    path, single = _prepare_dst(dst, overwrite)
-    meta = dict(ckpt.metadata)
-    meta.setdefault("format", "pt")
-    meta[CONFIG_METADATA_KEY] = json.dumps(cfg.to_dict())
-    meta.pop(PLE_ONLY_METADATA_KEY, None)
-    if problems:
-        meta[PLE_ONLY_METADATA_KEY] = json.dumps(problems)
-    files = _write(path, single, entries, metadata=meta, max_file_bytes=max_file_bytes, config=None,
-                   problems=problems)
-    if not single:
-        folder = not isinstance(src, (list, tuple)) and (Path(src).is_dir() or str(src).endswith(".index.json"))
-        _copy_other_files(ckpt.root, path, problems, names=None if folder else ["config.json"])
-    tables = []
-    for plan in plans:
-        n = parts if parts is not None else plan.parts
-        tables.append(f"{f'{n} shards' if n else 'whole'}, {dtype_name(_out_dtype(plan, target))}")
-    return {"files": [str(f) for f in files], "layers": [p.prefix for p in plans], "tables": tables}
-
-
-def _copy_other_files(src: Path, dst: Path, problems: list[str], names: list[str] | None = None) -> None:
-    """Copy the non-weight files and folders of the folder ``src`` (or only those ``names``) into ``dst``
-    (``config.json`` with the ple-only mark set to ``problems``)."""
-    if src.resolve() == dst.resolve():
-        return
-    for item in sorted(src.iterdir()):
-        if item.name.endswith(WEIGHT_SUFFIXES) or (names is not None and item.name not in names):
-            continue
-        target = dst / item.name
-        if item.name == "config.json" and item.is_file():
-            with open(item, encoding="utf-8") as fh:
-                config = json.load(fh)
-            with open(target, "w", encoding="utf-8") as fh:
-                json.dump(_mark_config(config, problems), fh, indent=2)
-        elif item.is_dir():
-            shutil.copytree(item, target, dirs_exist_ok=True)
-        else:
-            shutil.copyfile(item, target)
-
-
-def _out_dtype(plan: LayerPlan, target) -> torch.dtype:
-    if target is None:
-        return plan.table_dtype
-    return target.dtype if isinstance(target, Scheme) else target
-
-
-def _kv_entries(ckpt: Checkpoint, plan: LayerPlan, merged: bool) -> list[Entry]:
-    p, C = plan.prefix, plan.config.hc_hidden_size
-    if plan.proj_scales:
-        raise ValueError(f"merged_kv: {p} has FP8 projections ({sorted(plan.proj_scales)}); merging or "
-                         f"splitting them is not supported, keep merged_kv=None")
-    if merged:
-        kv = torch.cat([ckpt.read(p + KEY_PROJ), ckpt.read(p + VALUE_PROJ).to(ckpt.info(p + KEY_PROJ).dtype)])
-        return [_tensor_entry(p + KV_PROJ, kv)]
-    kv = ckpt.read(p + KV_PROJ)
-    return [_tensor_entry(p + KEY_PROJ, kv[:C]), _tensor_entry(p + VALUE_PROJ, kv[C:])]
+    meta = mark_metadata({"format": "pt", CONFIG_METADATA_KEY: json.dumps(cfg.to_dict())}, problems)
+    return write_checkpoint(path, single, entries, metadata=meta, max_file_bytes=max_file_bytes, config=cfg,
+                            problems=problems)

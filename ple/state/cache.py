@@ -23,7 +23,7 @@ decode has that window moved to columns ``[0, S)`` at the start of its next step
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -32,6 +32,7 @@ from ..config import PLEConfig
 from .batch import StepBatch, build_plan
 from .items import Decode, Prefill, Spec, as_token_list
 from .persist import load_cache, save_cache
+from .step import layer_step
 
 __all__ = ["PLECache", "StepBatch", "LAYOUTS"]
 
@@ -316,6 +317,11 @@ class PLECache:
             raise ValueError(f"pad_to: the batch has {len(parsed)} requests, more than pad_to={pad_to}")
 
     # ---- called by PLELayer.step ---------------------------------------------------------------
+    def run_layer_step(self, layer, hidden_states: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """``layer.step(hidden_states, batch, self)``: the layer hands its step to the cache it runs on (the
+        layer module sits below ``ple.state`` and does not import it); see ``ple.state.step``."""
+        return layer_step(layer, hidden_states, batch, self)
+
     def begin_layer(self, batch: StepBatch, layer: int) -> None:
         """Check that ``batch`` is current and PLE layer ``layer`` has not run it yet."""
         if not isinstance(batch, StepBatch):
@@ -382,6 +388,20 @@ class PLECache:
             s.num_accepted, s.spec_tokens, s.spec_context, s.realigned = 1, None, None, []
 
     # ---- save / load ---------------------------------------------------------------------------
+    SLOT_FIELDS = tuple(f.name for f in fields(_Slot))
+    """The fields of one slot's host bookkeeping, in order (the entries of `slot_table`)."""
+
+    def slot_table(self) -> list[dict]:
+        """Every slot's host bookkeeping as plain dicts of `SLOT_FIELDS` (copies), for ``ple.state.persist``."""
+        return [asdict(s) for s in self._slots]
+
+    def restore_slot_table(self, table: list[dict]) -> None:
+        """Replace every slot's bookkeeping by ``table`` (entries as `slot_table` gives them, one per slot; the
+        caller checks their values, as ``ple.state.persist.load_cache`` does)."""
+        if len(table) != self.num_slots or any(set(s) != set(self.SLOT_FIELDS) for s in table):
+            raise ValueError(f"table: expected {self.num_slots} entries of the fields {list(self.SLOT_FIELDS)}")
+        self._slots = [_Slot(**s) for s in table]
+
     def save(self, path: str | os.PathLike) -> None:
         """Write the whole cache (states, contexts, slot table) to a safetensors file, bit-exact."""
         self._not_in_flight("save")

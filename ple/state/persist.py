@@ -5,6 +5,10 @@ The file holds ``conv_states`` (the states of every layer, in the cache's layout
 record: the config, the sizes, the layout and the slot table. `load_cache` checks every
 part of it before it builds the cache, so a damaged, truncated, empty or edited file is
 a ``ValueError`` naming ``path`` and what is wrong, never a half-loaded cache.
+
+Imports point one way: ``ple.state.cache`` imports this module (for ``PLECache.save`` /
+``load``), and this one reaches the cache only through the instance or class it is given and
+its public bookkeeping (``SLOT_FIELDS``, ``slot_table``, ``restore_slot_table``).
 """
 
 from __future__ import annotations
@@ -19,14 +23,12 @@ from ..config import PLEConfig
 __all__ = ["save_cache", "load_cache", "FORMAT"]
 
 FORMAT = "ple.PLECache/1"
-_SLOT_FIELDS = ("active", "started", "length", "context", "num_accepted", "spec_tokens", "spec_context",
-                "realigned")
 
 
 def save_cache(cache, path: str | os.PathLike) -> None:
     from safetensors.torch import save_file
 
-    table = [{f: getattr(s, f) for f in _SLOT_FIELDS} for s in cache._slots]
+    table = cache.slot_table()
     meta = dict(config=cache.config.to_dict(), num_slots=cache.num_slots, num_spec_tokens=cache.num_spec_tokens,
                 num_layers=cache.num_layers, layout=cache.layout, slots=table, format=FORMAT)
     save_file({"conv_states": cache.conv_states.contiguous().cpu(), "contexts": cache.contexts},
@@ -82,8 +84,8 @@ def _check_slots(path, meta, cache) -> list[dict]:
     V, N1, Q = cache.config.vocab_size, cache.config.context_len, cache.num_spec_tokens + 1
     for i, s in enumerate(slots):
         where = f"path: {path}: slot {i}"
-        if not isinstance(s, dict) or set(s) != set(_SLOT_FIELDS):
-            raise ValueError(f"{where}: expected the fields {list(_SLOT_FIELDS)}")
+        if not isinstance(s, dict) or set(s) != set(cache.SLOT_FIELDS):
+            raise ValueError(f"{where}: expected the fields {list(cache.SLOT_FIELDS)}")
         ok = (isinstance(s["active"], bool) and isinstance(s["started"], bool)
               and _int(s["length"]) and s["length"] >= 0
               and _tokens(s["context"], N1, V) and (len(s["context"]) == N1 or not s["active"])
@@ -113,14 +115,11 @@ def load_cache(cls, path: str | os.PathLike, *, device=None):
         raise ValueError(f"path: {path}: conv_states has shape {tuple(states.shape)}, expected "
                          f"{tuple(cache.conv_states.shape)}")
     slots = _check_slots(path, meta, cache)
-    from .cache import _Slot
-
-    table = [_Slot(**s) for s in slots]
     eos = [config.eos_token_id] * config.context_len
-    want = torch.tensor([s.context if s.active else eos for s in table], dtype=torch.int64)
+    want = torch.tensor([s["context"] if s["active"] else eos for s in slots], dtype=torch.int64)
     if contexts.dtype != torch.int64 or not torch.equal(contexts, want.reshape(contexts.shape)
                                                         if contexts.numel() == want.numel() else want):
         raise ValueError(f"path: {path}: the contexts tensor disagrees with the slot table")
     cache.conv_states.copy_(states)
-    cache._slots = table
+    cache.restore_slot_table(slots)
     return cache

@@ -6,15 +6,19 @@ test below then reports one check. Every process builds the same layers from the
 same seed and runs the single-process reference itself, so nothing large crosses
 process boundaries.
 
-Covered: sharded-table forward, gradients and serving steps (uneven row splits,
-quantized tables, rows read from checkpoint shards); sequence-parallel training
-(outputs, gradients of every parameter and input) and serving steps (outputs and
-cache states, bit for bit) with both exchanges; splits with a rank that holds no
-tokens, ranks holding fewer than S tokens, a request spanning three ranks; and the
-halo's byte bound, ``(W - 1) * S * C`` elements per layer call.
+Covered: serving steps with a row-sharded table (the DTensor table, replicated tokens);
+a rank's rows read from the checkpoint shards that overlap them (float and int8);
+sequence-parallel training (outputs, gradients of every parameter and input; whole,
+row-sharded and FP8 row-sharded tables) and serving steps (outputs and cache states,
+bit for bit; whole, row-sharded and int8 row-sharded tables) with both exchanges;
+splits with a rank that holds no tokens, ranks holding fewer than S tokens, a request
+spanning three ranks; and the halo's byte bound, ``(W - 1) * S * C`` elements per layer
+call. The sharded table itself: ``test_sharded_table.py`` and ``test_dtensor.py``.
 """
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -22,11 +26,11 @@ import torch
 import ple
 from ple.distributed import (
     Comm,
-    ShardedPLELayer,
-    ShardedTable,
     even_bounds,
     fragments,
     halo_plan,
+    parallelize_tables,
+    shard_range,
     sp_forward,
     sp_step,
     spawn,
@@ -35,6 +39,8 @@ from ple.distributed import (
 from ple.state import Decode, PLECache, Prefill, Spec
 from ple.testing import spawned
 from ple.testing.spawned import close, expect, same_bits
+
+pytestmark = pytest.mark.deep      # deep tier: sequence parallelism and checkpoint reads at W = 2, 3
 
 CONFIG = ple.PLEConfig.preset("tiny")          # C 48, S 9, N 3, NH 6, D 4, 6128 table rows
 CKPT_PREFIX = "model.layers.1.ple."
@@ -59,131 +65,54 @@ def total_bytes(comm: Comm, category: str) -> int:
 
 
 # ---- checks run inside the spawned group -------------------------------------------------------
-def check_table_forward_backward(rank, W, ckpt_dir):
-    """Replicated tokens, table split unevenly: outputs and every gradient equal one process's."""
-    full, = make_layers(dtype=torch.float64)
-    rows = full.ple_embedding.ngram_embedding.weight.shape[0]
-    cuts = [0, 2501, rows] if W == 2 else [0, 1, 4000, rows]             # uneven on purpose
-    sharded = ShardedPLELayer.from_layer(full, row_range=(cuts[rank], cuts[rank + 1]))
-    expect(sharded.table.weight.shape[0] == cuts[rank + 1] - cuts[rank], "rows of the shard")
-    g = torch.Generator().manual_seed(1)
-    B, L = 3, 11
-    ids = torch.randint(0, CONFIG.vocab_size, (B, L), generator=g)
-    ids[1, 4] = CONFIG.eos_token_id
-    mask = torch.ones(B, L, dtype=torch.int64)
-    mask[2, :3] = 0
-    hidden = torch.randn(B, L, CONFIG.hc_hidden_size, generator=g, dtype=torch.float64)
-    probe = torch.randn(B, L, CONFIG.hc_hidden_size, generator=g, dtype=torch.float64)
-
-    results = []
-    for layer in (full, sharded):
-        h = hidden.clone().requires_grad_(True)
-        out = layer(h, ids, mask)
-        (out * probe).sum().backward()
-        results.append((out.detach(), h.grad))
-    close(results[1][0], results[0][0], "output")
-    close(results[1][1], results[0][1], "hidden_states grad")
-    grads = dict(full.named_parameters())
-    for name, p in sharded.named_parameters():
-        want = grads[name].grad
-        if name == "ple_embedding.ngram_embedding.weight":
-            want = want[cuts[rank]:cuts[rank + 1]]
-        close(p.grad, want, f"grad of {name}")
-
-
-def check_table_quantized(rank, W, ckpt_dir):
-    """int8 rows with per-row scales, FP8 rows with one scale: replicated and sequence-parallel lookups."""
-    g = torch.Generator().manual_seed(2)
-    rows, D, T, NH = 1001, 4, 13, 6
-    ids = torch.randint(0, rows, (T, NH), generator=g)
-    ids[0, :] = rows - 1                                                 # the last row, on the last rank
-    tables = [(torch.randint(-127, 128, (rows, D), generator=g, dtype=torch.int8),
-               torch.rand(rows, 1, generator=g) + 0.01)]
-    if hasattr(torch, "float8_e4m3fn"):
-        tables.append((torch.randn(rows, D, generator=g).to(torch.float8_e4m3fn), torch.tensor([0.37])))
-    bounds = even_bounds(T, W) if W == 2 else [0, 6, 6, T]               # rank 1 of 3 has no tokens
-    for q, scale in tables:
-        per_row = scale[ids.reshape(-1)].reshape(T, NH, 1) if scale.shape[0] == rows else scale
-        expected = (q[ids].float() * per_row).reshape(T, NH * D).to(torch.bfloat16)
-        table = ShardedTable.from_full(q, weight_scale=scale)
-        expect(table.quantized and not table.weight.requires_grad, "a quantized table, without gradient")
-        got = table.rows(ids, torch.bfloat16)
-        same_bits(got, expected, f"{q.dtype} lookup")
-        lo, hi = bounds[rank], bounds[rank + 1]
-        counts = [bounds[r + 1] - bounds[r] for r in range(W)]
-        got = table.lookup_sequence_parallel(ids[lo:hi], counts, dtype=torch.bfloat16)
-        same_bits(got, expected[lo:hi], f"{q.dtype} sequence-parallel lookup")
-        # The raw rows travel in the table's width (one byte an element here), scales beside them.
-        m = max(counts)
-        want = round(2 * (W - 1) / W * T * NH * D) + round((W - 1) / W * W * m * NH * D)
-        expect(table.comm.bytes_sent["table_reduce"] == want, f"{q.dtype}: bytes {table.comm.bytes_sent}")
-
-    # A whole layer quantized by ple.quant, then sharded: the same outputs as the whole quantized layer.
-    full, = make_layers(seed=7)
-    if not hasattr(full.ple_embedding, "quantize_"):
-        return
-    full.ple_embedding.quantize_("int8")
-    sharded = ShardedPLELayer.from_layer(full)
-    expect(sharded.table.quantized and sharded.table.scale_kind == "row", "an int8 shard with row scales")
-    ids = torch.randint(0, CONFIG.vocab_size, (2, 9), generator=g)
-    hidden = torch.randn(2, 9, CONFIG.hc_hidden_size, generator=g)
-    with torch.no_grad():
-        close(sharded(hidden, ids), full(hidden, ids), "quantized layer output", tol=1e-6)
-
-
-def check_checkpoint_rows(rank, W, ckpt_dir):
-    """A rank's rows (and their scales) come straight from the checkpoint shards that hold them."""
-    full, = make_layers()
-    sharded = ShardedPLELayer(CONFIG, 0)
-    sharded.load_table_from_checkpoint(ckpt_dir + "/float", prefix=CKPT_PREFIX)
-    t = sharded.table
-    want = full.ple_embedding.ngram_embedding.weight.detach()[t.row_start:t.row_end]
-    same_bits(t.weight.detach(), want, "rows from the checkpoint")
-    q, scale = int8_table(full)
-    sharded.load_table_from_checkpoint(ckpt_dir + "/int8", prefix=CKPT_PREFIX)
-    t = sharded.table
-    expect(t.weight.dtype == torch.int8 and t.scale_kind == "row", "an int8 shard with row scales")
-    same_bits(t.weight.detach(), q[t.row_start:t.row_end], "int8 rows from the checkpoint")
-    same_bits(t.weight_scale, scale[t.row_start:t.row_end], "row scales from the checkpoint")
-
-
 def check_checkpoint_reads(rank, W, ckpt_dir):
-    """Only the shards that overlap a rank's rows are read, and only those rows (ple.io's one reader);
-    a checkpoint of another config is refused, naming the key."""
+    """A rank's rows of the sharded table come from the checkpoint shards that overlap them, and only those rows
+    (``ple.io``'s one reader), for a float table and an int8 one (its scales beside); a checkpoint of another
+    config, or a wrong prefix, is refused, naming the key."""
+    from ple.distributed import load_table_piece_
     from ple.io.files import Checkpoint
-    from ple.io.layout import plan_layer
+    from ple.io.layout import plan_layer, shard_rows
+    from ple.table import DenseTable
 
     full = make_layers()[0].ple_embedding.ngram_embedding.weight.detach()
-    float_dir = ckpt_dir + "/float"
-    pieces = plan_layer(Checkpoint.open(float_dir), CONFIG, 0, CKPT_PREFIX).pieces
-    expect([p.start for p in pieces] == [0, 1226, 2452, 3678, 4904] and pieces[-1].stop == full.shape[0],
-           f"shard starts {[p.start for p in pieces]}")
+    rows = full.shape[0]
+    a, b = shard_range(rows, W, rank)
     read = []
     original = Checkpoint.read
 
     def spy(self, key, start=None, stop=None):
         if "ngram_embedding" in key:
-            read.append((key.rsplit(".", 2)[-2], start, stop))
+            read.append((key.rsplit(".", 1)[0].rsplit(".", 1)[-1], start, stop))
         return original(self, key, start, stop)
 
-    Checkpoint.read = spy
-    try:
-        sharded = ShardedPLELayer(CONFIG, 0, row_range=(2000, 3000))
-        sharded.load_table_from_checkpoint(float_dir, prefix=CKPT_PREFIX)
-        same_bits(sharded.table.weight.detach(), full[2000:3000], "rows 2000..3000")
-        expect(sharded.table.scale is None, "a float table has no scale")
-        expect(read == [("shard_1", 774, 1226), ("shard_2", 0, 548)], f"only the overlapping rows: {read}")
+    for kind, parts in (("float", 5), ("int8", 3)):
+        path = f"{ckpt_dir}/{kind}"
+        pieces = plan_layer(Checkpoint.open(path), CONFIG, 0, CKPT_PREFIX).pieces
+        expect([(p.start, p.stop) for p in pieces] == shard_rows(rows, parts), f"{kind}: the layout's shards")
+        want = {(f"shard_{k}", max(a, s0) - s0, min(b, s1) - s0) for k, (s0, s1) in enumerate(shard_rows(rows, parts))
+                if min(b, s1) > max(a, s0)}
+        layer = ple.PLELayer(CONFIG, 0, table=DenseTable(rows, CONFIG.ngram_head_dim, device="meta"))
+        parallelize_tables(layer, Comm(), "row")
         read.clear()
-        empty = ShardedPLELayer(CONFIG, 0, row_range=(7, 7))
-        empty.load_table_from_checkpoint(float_dir, prefix=CKPT_PREFIX)
-        expect(empty.table.weight.shape == (0, full.shape[1]) and not read, f"an empty range reads {read}")
-    finally:
-        Checkpoint.read = original
-    for make, match in ((lambda: ShardedPLELayer(CONFIG, 0, row_range=(0, full.shape[0] + 1)), "row_range"),
-                        (lambda: sharded.load_table_from_checkpoint(float_dir, prefix="nope."),
+        Checkpoint.read = spy
+        try:
+            load_table_piece_(layer, path, prefix=CKPT_PREFIX)
+        finally:
+            Checkpoint.read = original
+        expect(set(read) == want, f"{kind}: rows [{a}, {b}) read {sorted(read)}, expected {sorted(want)}")
+        if kind == "float":
+            same_bits(layer.table.weight.to_local(), full[a:b], "float rows from the checkpoint")
+            expect(layer.table.scale is None, "a float table has no scale")
+        else:
+            q, scale = int8_table(make_layers()[0])
+            expect(layer.table.weight.dtype == torch.int8 and layer.table.scale.dim() == 2, "an int8 table now")
+            same_bits(layer.table.weight.to_local(), q[a:b], "int8 rows from the checkpoint")
+            same_bits(layer.table.scale.to_local(), scale[a:b], "row scales from the checkpoint")
+    for make, match in ((lambda: load_table_piece_(layer, ckpt_dir + "/float", prefix="nope."),
                          "prefix: no key starts with 'nope.'"),
-                        (lambda: ShardedPLELayer(CONFIG.replace(seed=CONFIG.seed + 1), 0, row_range=(0, 10))
-                         .load_table_from_checkpoint(float_dir, prefix=CKPT_PREFIX), "layer_multipliers")):
+                        (lambda: load_table_piece_(parallelize_tables(
+                            ple.PLELayer(CONFIG.replace(seed=CONFIG.seed + 1), 0), Comm()), ckpt_dir + "/float",
+                            prefix=CKPT_PREFIX), "layer_multipliers")):
         try:
             make()
             expect(False, f"no ValueError matching {match!r}")
@@ -216,16 +145,19 @@ def _custom_bounds(T, W):
     return [0, 5, T] if W == 2 else [0, 12, 15, T]
 
 
-def _serve(rank, W, mode, exchange):
+def _serve(rank, W, mode, exchange, quantized=None):
     """Run the script on one process (reference) and split over the group; compare every step."""
     layers = make_layers(2, seed=3)
+    if quantized:
+        for layer in layers:
+            layer.ple_embedding.quantize_(quantized)
     ref_cache = PLECache(CONFIG, 7, num_spec_tokens=2, num_layers=2)
     cache = PLECache(CONFIG, 7, num_spec_tokens=2, num_layers=2)
     comm = Comm()
     if mode == "sp":
         mine = layers
-    else:
-        mine = [ShardedPLELayer.from_layer(layer, comm) for layer in layers]
+    else:                                                   # the table sharded by rows, through the group
+        mine = [parallelize_tables(copy.deepcopy(layer), comm, "row") for layer in layers]
     slots = [ref_cache.allocate() for _ in range(5)]
     expect([cache.allocate() for _ in range(5)] == slots, "the same slots")
     g = torch.Generator().manual_seed(4)
@@ -280,9 +212,19 @@ def check_sp_step_sharded_table(rank, W, ckpt_dir):
     _serve(rank, W, "sp+table", "halo")
 
 
-def _train(rank, W, sharded, exchange, bounds_list):
+def check_sp_step_quantized_sharded_table(rank, W, ckpt_dir):
+    _serve(rank, W, "sp+table", "halo", quantized="int8")
+
+
+def _train(rank, W, sharded, exchange, bounds_list, quantized=None):
     """sp_forward over a packed batch: outputs, input and parameter gradients against one process."""
-    full, = make_layers(dtype=torch.float64, seed=5)
+    def layer_():
+        layer, = make_layers(dtype=torch.float64, seed=5)
+        if quantized:
+            layer.ple_embedding.quantize_(quantized)
+        return layer
+
+    full = layer_()
     lengths = [5, 23, 1, 0, 14]
     starts = [0]
     for n in lengths:
@@ -304,9 +246,9 @@ def _train(rank, W, sharded, exchange, bounds_list):
     comm = Comm()
     cu = torch.tensor(starts)
     for bounds in bounds_list:
-        layer = make_layers(dtype=torch.float64, seed=5)[0]
+        layer = layer_()
         if sharded:
-            layer = ShardedPLELayer.from_layer(layer, comm)
+            layer = parallelize_tables(layer, comm, "row")
         lo, hi = (bounds or even_bounds(T, W))[rank:rank + 2]
         hk = hidden[lo:hi].clone().requires_grad_(True)
         comm.reset()
@@ -316,10 +258,13 @@ def _train(rank, W, sharded, exchange, bounds_list):
         close(out, ref[lo:hi], f"bounds {bounds}: output")
         close(hk.grad, h.grad[lo:hi], f"bounds {bounds}: hidden_states grad")
         for name, p in layer.named_parameters():
-            want = ref_grads[name]
+            want, got = ref_grads[name], p.grad
             if sharded and name == "ple_embedding.ngram_embedding.weight":
-                want = want[layer.table.row_start:layer.table.row_end]
-            close(p.grad, want, f"bounds {bounds}: grad of {name}")
+                a, b = shard_range(want.shape[0], W, rank)
+                want, got = want[a:b], got.to_local()
+            close(got, want, f"bounds {bounds}: grad of {name}")
+        if sharded:
+            expect(comm.bytes_sent["table_rows"] > 0, f"table traffic counted: {dict(comm.bytes_sent)}")
         if exchange == "halo":
             for cat in ("conv_halo", "conv_halo_grad"):
                 sent = total_bytes(comm, cat)
@@ -346,18 +291,21 @@ def check_sp_forward_sharded_table(rank, W, ckpt_dir):
     _train(rank, W, True, "halo", _train_bounds(W)[1:])
 
 
+def check_sp_forward_quantized_sharded_table(rank, W, ckpt_dir):
+    _train(rank, W, True, "halo", _train_bounds(W)[1:2], quantized="fp8")
+
+
 CHECKS = {
-    "table_forward_backward": check_table_forward_backward,
-    "table_quantized": check_table_quantized,
-    "checkpoint_rows": check_checkpoint_rows,
     "checkpoint_reads": check_checkpoint_reads,
     "step_sharded_table": check_step_sharded_table,
     "sp_step_halo": check_sp_step_halo,
     "sp_step_allgather": check_sp_step_allgather,
     "sp_step_sharded_table": check_sp_step_sharded_table,
+    "sp_step_quantized_sharded_table": check_sp_step_quantized_sharded_table,
     "sp_forward_halo": check_sp_forward_halo,
     "sp_forward_allgather": check_sp_forward_allgather,
     "sp_forward_sharded_table": check_sp_forward_sharded_table,
+    "sp_forward_quantized_sharded_table": check_sp_forward_quantized_sharded_table,
 }
 
 

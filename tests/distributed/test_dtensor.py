@@ -10,7 +10,8 @@ ranks (data parallel, a rank with no tokens) under FSDP2 for the dense parameter
 under DDP with the table excluded, gradients equal to one process's mean loss; a layer
 whose table was never materialised whole (meta), filled from a checkpoint piece by
 piece; a checkpoint of another config refused. W = 3 splits 6128 rows 2043/2043/2042 and
-D = 4 columns 2/2/0 (a rank with no columns); W = 4 splits both evenly.
+D = 4 columns 2/2/0 (a rank with no columns); W = 4 splits both evenly. Quantized tables, a
+rank with no rows and every shard's boundary rows: ``test_sharded_table.py``.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from ple.distributed import (
     dense_params,
     load_table_piece_,
     parallelize_tables,
+    shard_range,
     spawn,
 )
-from ple.distributed.dtensor import shard_range
 from ple.testing import spawned
 from ple.testing.spawned import expect
+
+pytestmark = pytest.mark.deep      # deep tier: the DTensor styles, FSDP2 and DDP at W = 2, 3, 4
 
 CONFIG = ple.PLEConfig.preset("tiny")          # C 48, NH 6, D 4, 6128 table rows (PLE index 0)
 PLACEMENTS = ("row", "col")
@@ -174,27 +177,25 @@ def check_ddp_excludes_the_table(rank, W, ckpt):
 
 
 def check_ddp_leaves_a_sharded_layers_rows_alone(rank, W, ckpt):
-    """DDP around the row-sharded `ShardedPLELayer` (uneven rows at W = 3): its rows are not averaged with other
-    ranks' rows, so gradients equal one process's (replicated tokens: the dense ones are averaged over equals)."""
+    """DDP around a layer whose table is row-sharded with replicated tokens (uneven rows at W = 3), sharded through
+    the process group: its rows are not averaged with other ranks' rows, so gradients equal one process's (the
+    dense ones are averaged over equals)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
-
-    from ple.distributed import ShardedPLELayer
 
     full = make_layer()
     hidden, ids, probe = batch(1, 2)
     (full(hidden, ids) * probe).sum().backward()
-    layer = ShardedPLELayer.from_layer(full)
+    layer = parallelize_tables(copy.deepcopy(full), None, "row")             # None: the default group
     layer.zero_grad()
     (DDP(layer)(hidden, ids) * probe).sum().backward()
-    t = layer.table
-    close(t.weight.grad, full.table.weight.grad[t.row_start:t.row_end], "d table rows")
+    close(layer.table.weight.grad.to_local(), local_piece(full.table.weight.grad, "row", W, rank), "d table rows")
     close(layer.key_proj.weight.grad, full.key_proj.weight.grad, "d key_proj")
 
 
 def check_sequence_parallel_on_the_mesh_without_host_syncs(rank, W, ckpt):
     """sp_forward on the DeviceMesh with the table a DTensor (rows, columns): this rank's rows and every gradient
-    equal one process's (summed loss, after sync_grads); with list offsets and validate=False, forward and backward
-    turn no tensor into a Python value (no host sync)."""
+    equal one process's (summed loss, after sync_grads); with list offsets, validate=False and the sync-free ops
+    (backend "torch"), forward and backward turn no tensor into a Python value (no host sync)."""
     from ple.distributed import sp_forward, sync_grads
     from ple.distributed.partition import even_bounds
     from ple.testing.conversions import count_host_conversions
@@ -215,6 +216,7 @@ def check_sequence_parallel_on_the_mesh_without_host_syncs(rank, W, ckpt):
     lo, hi = bounds[rank], bounds[rank + 1]
     for placement in PLACEMENTS:
         layer = parallelize_tables(copy.deepcopy(full), mesh, placement)
+        layer.set_backend("torch")                    # the sync-free ops (ple.reference reads offsets on the host)
         layer.zero_grad()
         hk = hidden[lo:hi].clone().requires_grad_(True)
         with count_host_conversions() as seen:

@@ -1,0 +1,153 @@
+"""The streaming safetensors writer, and the format's names (dtypes, the index file) that ``ple.io.files`` reads by.
+
+`write_file` writes a safetensors file from tensors given as *producers* of row blocks
+(`Entry`), so a table larger than RAM can be re-sharded or converted one block at a time;
+`write_files` splits entries into Hugging Face-style shards with an index.
+
+Hand-written, because the library has no streaming writer: ``safetensors.torch.save_file``
+(and ``save``) takes a dict of whole tensors, all in memory at once. The header is the
+format's (8-byte little-endian length, the JSON header padded with spaces to 8 bytes, the
+data in header order); ``safetensors`` reads every file this writes
+(``tests/io/test_io.py::test_streaming_writer_matches_safetensors``). ``ST_DTYPES`` spells the
+format's dtype names, which the library keeps private.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .._progress import byte_bar
+
+__all__ = ["INDEX_NAME", "ST_DTYPES", "Entry", "write_file", "write_files", "bytes_of"]
+
+INDEX_NAME = "model.safetensors.index.json"
+
+ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+_ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
+
+
+def bytes_of(t: torch.Tensor):
+    """The bytes of the contiguous CPU tensor ``t`` as a buffer sharing its memory (any dtype: bfloat16 and
+    FP8 included, which numpy has not, go through a uint8 view)."""
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+# ---- writing -----------------------------------------------------------------------------------
+@dataclass
+class Entry:
+    """One tensor to write: its key, dtype and shape, and a producer of its row blocks in order.
+
+    ``produce()`` yields CPU tensors of ``dtype`` whose rows, concatenated along dim 0,
+    make the tensor (one block for a 0-d tensor).
+    """
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    produce: Callable[[], Iterable[torch.Tensor]]
+
+    @property
+    def nbytes(self) -> int:
+        n = self.dtype.itemsize
+        for s in self.shape:
+            n *= s
+        return n
+
+
+def _write_tensor(fh, t: torch.Tensor) -> int:
+    t = t.detach().to("cpu").contiguous()
+    n = t.numel() * t.element_size()
+    if n:
+        fh.write(bytes_of(t))
+    return n
+
+
+def write_file(path, entries: list[Entry], metadata: dict[str, str] | None = None) -> None:
+    """Write ``entries`` as one safetensors file, streaming each tensor block by block.
+
+    The file is written to ``path + ".tmp"`` and renamed when complete, so an
+    interrupted write never leaves a readable half file at ``path``.
+    """
+    path = Path(path)
+    header: dict = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for e in entries:
+        if e.dtype not in _ST_NAMES:
+            raise TypeError(f"{e.key}: dtype {e.dtype} cannot be stored in safetensors")
+        header[e.key] = {"dtype": _ST_NAMES[e.dtype], "shape": list(e.shape),
+                         "data_offsets": [offset, offset + e.nbytes]}
+        offset += e.nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    blob += b" " * (-len(blob) % 8)
+    tmp = path.with_name(path.name + ".tmp")
+    bar = byte_bar(offset, desc=path.name)                 # a progress bar on a terminal, silent otherwise
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(struct.pack("<Q", len(blob)))
+            fh.write(blob)
+            for e in entries:
+                written = 0
+                for block in e.produce():
+                    if block.dtype != e.dtype:
+                        raise TypeError(f"{e.key}: a block came as {block.dtype}, expected {e.dtype}")
+                    n = _write_tensor(fh, block)
+                    written += n
+                    bar.update(n)
+                if written != e.nbytes:
+                    raise ValueError(f"{e.key}: the producer gave {written} bytes, expected {e.nbytes} "
+                                     f"for shape {list(e.shape)}")
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        bar.close()
+    os.replace(tmp, path)
+
+
+def write_files(directory, entries: list[Entry], *, max_file_bytes: int | None = None,
+                metadata: dict[str, str] | None = None, stem: str = "model") -> list[Path]:
+    """Write ``entries`` into ``directory``: one ``model.safetensors``, or
+    ``model-0000i-of-0000n.safetensors`` files of at most ``max_file_bytes`` each (a larger
+    tensor gets a file of its own) plus ``model.safetensors.index.json``, the Hugging Face
+    layout. Returns the files written.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    groups: list[list[Entry]] = [[]]
+    size = 0
+    for e in entries:
+        if max_file_bytes is not None and groups[-1] and size + e.nbytes > max_file_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(e)
+        size += e.nbytes
+    if len(groups) == 1:
+        names = [f"{stem}.safetensors"]
+    else:
+        names = [f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    index = directory / INDEX_NAME
+    if index.exists():
+        index.unlink()
+    written = []
+    for name, group in zip(names, groups, strict=True):
+        write_file(directory / name, group, metadata)
+        written.append(directory / name)
+    if len(groups) > 1:
+        weight_map = {e.key: name for name, group in zip(names, groups, strict=True) for e in group}
+        total = sum(e.nbytes for e in entries)
+        with open(index, "w", encoding="utf-8") as fh:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, fh, indent=2)
+    return written

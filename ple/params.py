@@ -1,0 +1,44 @@
+"""`HashParams`: what the hash of one PLE layer needs (SPEC section 2), as a plain record.
+
+It lives at the bottom of the package (beside the config) because every layer of it passes one
+around: the argument checks, the op backends, the checkpoint readers. How the values are made is
+the specification's: ``ple.reference.hash_params``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["HashParams"]
+
+
+@dataclass(frozen=True)
+class HashParams:
+    """Everything the hash of one PLE layer needs.
+
+    ``multipliers`` is int64 ``[N]``; ``head_sizes`` and ``head_offsets`` are int64
+    ``[NH]``; ``num_rows`` is the table's row count (padded); ``vocab_size`` is V.
+    """
+
+    multipliers: torch.Tensor
+    head_sizes: torch.Tensor
+    head_offsets: torch.Tensor
+    num_rows: int
+    vocab_size: int
+
+    @property
+    def ngram_size(self) -> int:
+        return self.multipliers.numel()
+
+    def __repr__(self) -> str:
+        sizes = self.head_sizes.tolist() if self.head_sizes.device.type != "meta" else "?"
+        if isinstance(sizes, list) and len(sizes) > 6:
+            sizes = f"[{sizes[0]}, {sizes[1]}, ..., {sizes[-1]}]"
+        return (f"HashParams(N={self.ngram_size}, {self.head_sizes.numel()} heads of sizes {sizes}, "
+                f"num_rows={self.num_rows}, vocab_size={self.vocab_size})")
+
+    def to(self, device) -> HashParams:
+        return HashParams(self.multipliers.to(device), self.head_sizes.to(device),
+                          self.head_offsets.to(device), self.num_rows, self.vocab_size)
