@@ -3,7 +3,8 @@
 Profiles: ``ci`` (default; small example counts so the suite fits CI) and
 ``thorough`` (``HYPOTHESIS_PROFILE=thorough``). Without CUDA, Triton kernels run
 under the interpreter (``TRITON_INTERPRET=1`` is set here, before Triton is
-imported); tests that run kernels carry the ``interpreter`` marker.
+imported); tests that run kernels carry the ``interpreter`` marker. With CUDA they run
+compiled, on the GPU, through ``ple.testing.device.on_device`` (the tests' tensors stay on the CPU).
 """
 
 from __future__ import annotations
@@ -22,6 +23,22 @@ torch.set_num_threads(1)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 
+if HAS_TRITON and torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+    # Compiled kernels (a GPU machine): the tests build CPU tensors, so every public ple.fast op runs on
+    # the GPU through ple.testing.device.on_device (inputs copied over, results and in-place changes
+    # copied back). Patched before any test module imports ple.fast's names.
+    import ple.fast
+    from ple.backends import OP_NAMES
+    from ple.testing.device import on_device
+
+    for _name in (*OP_NAMES, "prefill_conv_inputs"):
+        _fn = getattr(ple.fast, _name)
+        _wrapped = on_device(_fn, "cuda")
+        setattr(ple.fast, _name, _wrapped)
+        _home = importlib.import_module(_fn.__module__)
+        if getattr(_home, _name, None) is _fn:
+            setattr(_home, _name, _wrapped)
+
 settings.register_profile(
     "ci", max_examples=25, deadline=None, derandomize=True, print_blob=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -33,7 +50,26 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_addoption(parser):
+    parser.addoption("--deep", action="store_true", default=False,
+                     help="the deep tier: every test (those marked deep too), properties at the Hypothesis "
+                          "profile's example counts (tests/_tier.py)")
+
+
+def pytest_configure(config):
+    import _tier
+
+    _tier.DEEP = bool(config.getoption("--deep"))
+
+
 def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--deep"):
+        quick, deep = [], []
+        for item in items:
+            (deep if "deep" in item.keywords else quick).append(item)
+        if deep:
+            config.hook.pytest_deselected(items=deep)
+            items[:] = quick
     skip_triton = pytest.mark.skip(reason="triton is not installed (pip install -e '.[fast]')")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tier import examples
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
@@ -181,7 +182,7 @@ def _clone_state(t):
 
 
 @pytest.mark.parametrize("mode", ["prefill", "decode", "spec"])
-@settings(max_examples=10)
+@settings(max_examples=examples(3))
 @given(data=st.data())
 def test_ple_conv_matches_reference(mode, data):
     case = data.draw(conv_cases(mode))
@@ -245,7 +246,7 @@ def _mixed_layout(n_spec, n_dec, n_pre, g):
     return perm[:n_spec], perm[n_spec:n_spec + n_dec], perm[n_spec + n_dec:]
 
 
-@settings(max_examples=6)
+@settings(max_examples=examples(3))
 @given(
     C=st.sampled_from(CHANNELS), K=st.integers(1, 5), d=st.integers(1, 4), spec_len=st.integers(1, 4),
     spec_lens=st.lists(st.integers(1, 4), min_size=1, max_size=3), n_dec=st.integers(1, 3),
@@ -364,7 +365,7 @@ def test_export_checkpoints_matches_reference(C, S, lens, dtype, state_dtype, la
     assert_no_nan(view(buf_fast)[target, :, :S], name="checkpoint columns")
 
 
-@settings(max_examples=8)
+@settings(max_examples=examples(3))
 @given(
     C=st.sampled_from(CHANNELS), K=st.integers(1, 5), d=st.integers(1, 4), extra=st.integers(0, 20),
     rest=st.integers(1, 20), dtype=st.sampled_from([torch.float32, torch.bfloat16]),

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import assume, given, note
+from _tier import examples
+from hypothesis import assume, given, note, settings
 from hypothesis import strategies as st
 
 from ple import PLEConfig
@@ -87,6 +88,7 @@ def _check_gate(tensors, seed, eps=1e-6):
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
        zero_rows=st.integers(0, 2),
        strided=st.booleans(), seed=st.integers(0, 2**31 - 1))
+@settings(max_examples=examples(6))
 def test_ple_gate_fwd_bwd(T, M, H, dtype, zero_rows, strided, seed):
     note(f"T={T} M={M} H={H} {dtype} zero_rows={zero_rows} strided={strided} seed={seed}")
     tensors = _gate_inputs(T, M, H, dtype, seed, zero_rows=zero_rows, strided=strided)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tier import examples
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
@@ -47,7 +48,7 @@ def masks(draw, B, L):
 
 @given(config=pst.configs(max_hidden=7), data=st.data(), seed=pst.seeds(),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]))
-@settings(max_examples=8)
+@settings(max_examples=examples(2))
 def test_forward_and_gradients_match_reference(config, data, seed, dtype):
     B = data.draw(st.integers(1, 3), label="B")
     L = data.draw(st.integers(1, 9), label="L")
@@ -96,7 +97,7 @@ def test_forward_and_gradients_match_reference(config, data, seed, dtype):
 
 @given(config=pst.configs(max_hidden=5, max_hc=2), data=st.data(), seed=pst.seeds(),
        layout=st.sampled_from(["channels_first", "channels_last"]))
-@settings(max_examples=3)
+@settings(max_examples=examples(1))
 def test_schedule_property_with_triton_backend(config, data, seed, layout):
     """The reference's schedule property, on the Triton backend (states checked bit for bit each step; on a
     GPU, no step turns a tensor into a Python value)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tier import examples
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
@@ -200,13 +201,14 @@ def _check(case):
 
 
 @given(data=st.data())
+@settings(max_examples=examples(4))
 def test_prefill_forward_matches_reference(data):
     case = data.draw(cases(False))
     note(repr(case))
     _check(case)
 
 
-@settings(max_examples=12)
+@settings(max_examples=examples(3))
 @given(data=st.data())
 def test_prefill_serving_matches_reference(data):
     case = data.draw(cases(True))
@@ -227,7 +229,7 @@ def test_prefill_model_shape_tiles(dtype):
     _check(dict(case, serving=False, token_indices=False))
 
 
-@settings(max_examples=10)
+@settings(max_examples=examples(3))
 @given(n=st.integers(1, 80), cut=st.integers(0, 80), K=st.integers(1, 5), d=st.integers(1, 3),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), init=st.booleans(), keep=st.booleans(),
        seed=st.integers(0, 2**31 - 1))
@@ -271,7 +273,7 @@ def _grads(fn, tensors, dout, case):
     return [out.detach(), *torch.autograd.grad(out, leaves, dout)]
 
 
-@settings(max_examples=5)
+@settings(max_examples=examples(2))
 @given(lens=st.lists(st.integers(0, 20), min_size=1, max_size=3), M=st.integers(1, 2),
        H=st.sampled_from([3, 8]), K=st.integers(1, 4), d=st.integers(1, 3), keep=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**31 - 1))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _tier import examples
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
@@ -49,6 +50,7 @@ def _index(values, dtype, column):
     dtype=st.sampled_from([torch.float32, torch.bfloat16]), strided=st.booleans(),
     seed=st.integers(0, 2**31 - 1),
 )
+@settings(max_examples=examples(5))
 def test_dilated_causal_conv_matches_reference(kind, C, K, d, B, L, lens, dtype, strided, seed):
     note(dict(kind=kind, C=C, K=K, d=d, B=B, L=L, lens=lens, dtype=dtype, strided=strided, seed=seed))
     _check_against_reference(kind, C, K, d, B, L, lens, dtype, strided, seed)
@@ -67,7 +69,7 @@ SMALL_SIZES = [(16, 4, 2, 16, 4, 1), (32, 8, 1, 32, 2, 3), (16, 2, 3, 64, 8, 2)]
     lens=st.lists(st.sampled_from([0, 1, 5, 33, 70]), min_size=1, max_size=4),
     dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**31 - 1),
 )
-@settings(max_examples=10)
+@settings(max_examples=examples(3))
 def test_dilated_causal_conv_small_tiles_match_reference(sizes, kind, C, K, d, L, lens, dtype, seed):
     """Tiles much shorter than the sequences: halos across tiles, several tiles per backward program."""
     note(dict(sizes=sizes, kind=kind, C=C, K=K, d=d, L=L, lens=lens, dtype=dtype, seed=seed))

@@ -87,3 +87,33 @@ def test_deterministic_gradients_repeat_bit_for_bit(deterministic):
     for name, a, b in zip(("dx", "dweight"), again, first, strict=True):
         assert_bitwise_equal(a, b, name=name)
 
+
+
+@pytest.mark.parametrize("kind", ["dense", "packed"])
+def test_deterministic_weight_gradient_adds_its_chunks_in_token_order(kind, deterministic):
+    """The documented order, not merely a fixed one: with the conv weights at zero (silu' = 1/2 exactly)
+    and one non-zero product per 16-position chunk, each chunk's sum is exact, so dW is exactly the chunks'
+    sums added in token order in float32: ``(1 + 2**27) - 2**27 == 0``, where any other order (reversed,
+    or the last two first) gives 1."""
+    C, K, d, L = 2, 2, 1, 48
+    contributions = [1.0, 2.0**27, -(2.0**27)]               # chunk by chunk; 2**27 + 1 rounds to 2**27
+    positions = [3, 19, 35]                                   # one position in each 16-position chunk
+    if kind == "dense":
+        x, dy, cu = torch.zeros(1, L, C), torch.zeros(1, L, C), None
+        xs, dys = x[0], dy[0]
+    else:                                                     # a first sequence of 5 tokens, then the chunks
+        x, dy = torch.zeros(5 + L, C), torch.zeros(5 + L, C)
+        cu = torch.tensor([0, 5, 5 + L], dtype=torch.int32)
+        xs, dys = x[5:], dy[5:]
+    for p, v in zip(positions, contributions, strict=True):
+        xs[p] = 1.0
+        dys[p] = 2.0 * v                                      # g' = dy * silu'(0) = v
+    w = torch.zeros(C, K)
+    _, dw = _grads(fast.dilated_causal_conv, x, w, dy, d, cu)
+    in_order = torch.zeros((), dtype=torch.float32)
+    for v in contributions:
+        in_order = in_order + torch.tensor(v, dtype=torch.float32)
+    assert in_order.item() == 0.0                             # the test's own premise
+    want = torch.zeros(C, K)
+    want[:, K - 1] = in_order                                 # the current-token tap; the other tap sees x = 0
+    assert_bitwise_equal(dw, want, name="dweight (chunks summed in token order)")
