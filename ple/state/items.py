@@ -11,7 +11,8 @@ __all__ = ["Prefill", "Decode", "Spec", "as_token_list"]
 
 def as_token_list(name: str, tokens) -> list[int]:
     """Tokens as a list of Python ints: an int, a list of ints (numpy integers too), or a 0-D / 1-D
-    integer tensor or numpy array. A 2-D ``[1, L]`` batch row is a ``ValueError`` (pass ``row[0]``)."""
+    integer tensor or numpy array. A 2-D ``[1, L]`` batch row is a ``ValueError`` (pass ``row[0]``), and so
+    is a tensor on the meta device (it has no values to read)."""
     if type(tokens).__module__ == "numpy" and hasattr(tokens, "dtype"):
         import numpy as np
         if isinstance(tokens, np.generic):                         # a numpy scalar
@@ -29,6 +30,8 @@ def as_token_list(name: str, tokens) -> list[int]:
         if tokens.dim() > 1:
             raise ValueError(f"{name}: expected a 0-D or 1-D tensor, got shape {tuple(tokens.shape)}"
                              f"{'; pass tokens[0] for one row' if tokens.shape[0] == 1 else ''}")
+        if tokens.device.type == "meta":
+            raise ValueError(f"{name}: expected token ids with values, got a tensor on the meta device")
         return [int(t) for t in tokens.reshape(-1).tolist()]
     if isinstance(tokens, bool):
         raise TypeError(f"{name}: expected token ids, got a bool")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -34,15 +36,30 @@ def test_one_token_forms(token):
     assert batch.input_ids.tolist() == [7, 7]
 
 
-@pytest.mark.parametrize("tokens,err,words", [
+BAD_TOKENS = [
     (torch.tensor([[3, 4]]), ValueError, "tokens[0]"), (np.array([[3, 4]]), ValueError, "tokens[0]"),
     (np.array([1.0]), TypeError, "integer"), (torch.tensor([1.0]), TypeError, "integer"),
     ([True, 3], TypeError, "ints"), (3.0, TypeError, "float"),
-])
-def test_bad_token_forms_are_clear_errors(tokens, err, words):
+    (torch.tensor([3, 4], device="meta"), ValueError, "meta"), (torch.tensor([True]), TypeError, "integer"),
+    (torch.tensor([1 + 2j]), TypeError, "integer"), ([torch.tensor(3)], TypeError, "ints"),
+    ("12", TypeError, "str"), (None, TypeError, "NoneType"),
+]
+BAD_TOKEN = [(torch.tensor(3, device="meta"), ValueError, "meta"), (torch.tensor(True), TypeError, "integer"),
+             (torch.tensor(2.0), TypeError, "integer"), (np.float32(2.0), TypeError, "float"),
+             (True, TypeError, "bool"), ("7", TypeError, "str")]
+
+
+@pytest.mark.parametrize("item,tokens,err,words", [("prefill", *c) for c in BAD_TOKENS]
+                         + [("spec", *c) for c in BAD_TOKENS] + [("decode", *c) for c in BAD_TOKEN])
+def test_bad_token_forms_are_clear_errors(item, tokens, err, words):
     config = ple.PLEConfig.preset("tiny")
-    cache = PLECache(config, 3)
+    cache = PLECache(config, 3, num_spec_tokens=2)
     a = cache.allocate()
-    with pytest.raises(err, match="tokens") as e:
-        cache.schedule([Prefill(a, tokens)])
+    cache.schedule([Prefill(a, [1, 2])])          # a batch scheduled and never stepped: stays valid on error
+    before = (copy.deepcopy(cache._slots), cache.conv_states.clone(), cache._version)
+    make = {"prefill": Prefill, "spec": Spec, "decode": Decode}[item]
+    name = "token" if item == "decode" else "tokens"
+    with pytest.raises(err, match=name) as e:
+        cache.schedule([make(a, tokens)])
     assert words in str(e.value)
+    assert (cache._slots, cache._version) == (before[0], before[2]) and torch.equal(cache.conv_states, before[1])
