@@ -17,6 +17,7 @@ After a bare ``import ple``, ``ple.reference``, ``ple.vectorized``, ``ple.state`
 """
 
 import importlib
+from types import ModuleType
 
 from . import io, reference, state, table, testing, vectorized
 from .config import PRESETS, PLEConfig
@@ -28,7 +29,7 @@ __version__ = "0.1.0"
 _LAZY = ("fast", "distributed")
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> ModuleType:
     if name in _LAZY:
         return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,7 +11,7 @@ from .io import cli as io_cli
 from .testing import cli as check_cli
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ple", description="ple's command line: a serving demo "
                                      "checked against the whole-sequence layer, the kit for your own ops, "
                                      "and checkpoint tools. "

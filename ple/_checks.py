@@ -71,8 +71,8 @@ def tensor(name: str, t, *, ndim: int | None = None, kind: str | None = None, de
         raise ValueError(f"{name}: expected a tensor on {device}, got {t.device}")
     if shape is not None:
         if len(shape) != t.dim() or any(s is not None and s != d for s, d in zip(shape, t.shape)):
-            want = tuple("*" if s is None else s for s in shape)
-            raise ValueError(f"{name}: expected shape {want}, got {tuple(t.shape)}")
+            wanted = tuple("*" if s is None else s for s in shape)
+            raise ValueError(f"{name}: expected shape {wanted}, got {tuple(t.shape)}")
     return t
 
 

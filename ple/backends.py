@@ -32,7 +32,7 @@ import inspect
 import os
 from collections.abc import Callable
 from types import ModuleType
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 
@@ -40,6 +40,8 @@ __all__ = ["resolve_backend", "backend_module", "triton_available", "triton_comp
            "OP_NAMES", "BACKENDS", "twin", "traits", "Traits"]
 
 BACKENDS = ("reference", "torch", "triton", "auto")
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 _MODULES = {"reference": "ple.reference", "torch": "ple.vectorized", "triton": "ple.fast"}
 
@@ -55,34 +57,35 @@ class Traits(NamedTuple):
     checks_values_when_compiled: bool = False
 
 
-def traits(ops) -> Traits:
+def traits(ops: object) -> Traits:
     """The `Traits` an op module declares (``FUSED_KV_PROJECTION``, ``CHECKS_VALUES_WHEN_COMPILED``);
     False where it declares nothing (a user's ``ops=`` object)."""
     return Traits(bool(getattr(ops, "FUSED_KV_PROJECTION", False)),
                   bool(getattr(ops, "CHECKS_VALUES_WHEN_COMPILED", False)))
 
 
-def twin(reference: Callable, *, guard: Callable | None = None) -> Callable[[Callable], Callable]:
+def twin(reference: Callable[..., Any], *,
+         guard: Callable[[str, tuple[Any, ...], dict[str, Any]], object] | None = None) -> Callable[[_F], _F]:
     """Decorator: the decorated public op takes ``reference``'s docstring and signature.
 
     ``guard(name, args, kwargs)``, if given, runs before every call (``ple.fast`` refuses CPU
     tensors there when its kernels are compiled).
     """
 
-    def decorate(fn: Callable) -> Callable:
+    def decorate(fn: _F) -> _F:
         if guard is None:
             call = functools.wraps(fn)(lambda *args, **kwargs: fn(*args, **kwargs))
         else:
             module = fn.__module__.rsplit(".", 1)[0]
 
             @functools.wraps(fn)
-            def call(*args, **kwargs):
+            def call(*args: Any, **kwargs: Any) -> Any:
                 guard(f"{module}.{fn.__name__}", args, kwargs)
                 return fn(*args, **kwargs)
 
         call.__doc__ = reference.__doc__
-        call.__signature__ = inspect.signature(reference)
-        return call
+        call.__signature__ = inspect.signature(reference)  # type: ignore[attr-defined]  # read by inspect.signature
+        return cast(_F, call)           # the same parameters as fn (functools.wraps loses them for mypy)
 
     return decorate
 
@@ -97,7 +100,20 @@ class CustomOps:
     The flags of `traits` are read from the object (default: two GEMMs, no value checks when compiled).
     """
 
-    def __init__(self, ops):
+    # Set in __init__ (from the user's object, or from ple.reference); declared here for type checkers.
+    ngram_ids: Callable[..., Any]
+    embedding_lookup: Callable[..., Any]
+    ngram_embedding: Callable[..., Any]
+    ple_gate: Callable[..., Any]
+    ple_conv: Callable[..., Any]
+    export_conv_checkpoints: Callable[..., Any]
+    dilated_causal_conv: Callable[..., Any]
+    ple_prefill: Callable[..., Any]
+    prefill_conv_inputs: Callable[..., Any]
+    hash_params: Callable[..., Any]
+    grouped_rms_norm: Callable[..., Any]
+
+    def __init__(self, ops: object) -> None:
         missing = [n for n in OP_NAMES if not callable(getattr(ops, n, None))]
         if missing:
             raise TypeError(f"ops: expected an object with the ops {', '.join(OP_NAMES)}; "
@@ -106,8 +122,9 @@ class CustomOps:
         for name in OP_NAMES:
             setattr(self, name, _drop_validate(getattr(ops, name)))
         self.FUSED_KV_PROJECTION, self.CHECKS_VALUES_WHEN_COMPILED = traits(ops)
-        if callable(getattr(ops, "prefill_conv_inputs", None)):     # a fused prefill's own conv inputs (replay)
-            self.prefill_conv_inputs = ops.prefill_conv_inputs
+        conv_inputs = getattr(ops, "prefill_conv_inputs", None)
+        if callable(conv_inputs):                                   # a fused prefill's own conv inputs (replay)
+            self.prefill_conv_inputs = conv_inputs
         from . import reference
         self.hash_params, self.grouped_rms_norm = reference.hash_params, reference.grouped_rms_norm
 
@@ -115,7 +132,7 @@ class CustomOps:
         return f"CustomOps({getattr(self.wrapped, '__name__', type(self.wrapped).__name__)})"
 
 
-def _drop_validate(fn):
+def _drop_validate(fn: Callable[..., Any]) -> Callable[..., Any]:
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -124,7 +141,7 @@ def _drop_validate(fn):
         return fn
 
     @functools.wraps(fn)
-    def call(*args, validate=True, **kwargs):
+    def call(*args: Any, validate: bool = True, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
     return call
 

@@ -21,7 +21,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["PLEConfig", "PRESETS"]
 
@@ -82,7 +82,7 @@ class PLEConfig:
         set_(self, "eos_token_id", eos)
         if self.ple_embed_dim is None:
             set_(self, "ple_embed_dim", self.hidden_size)
-        ids = self.ple_layer_ids
+        ids: Any = self.ple_layer_ids     # user input (an int, a list, a tuple), checked below
         if _is_int(ids):
             ids = (ids,)
         if not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids):
@@ -114,7 +114,8 @@ class PLEConfig:
                 or not 0 < self.rms_norm_eps < float("inf"):
             raise ValueError(f"rms_norm_eps: expected a positive finite float, got {self.rms_norm_eps!r}")
         set_(self, "rms_norm_eps", float(self.rms_norm_eps))
-        if self.ple_layer_ids and self.ple_embed_dim % self.num_ngram_heads != 0:   # as transformers: with PLE
+        embed_dim = cast(int, self.ple_embed_dim)       # set above when None
+        if self.ple_layer_ids and embed_dim % self.num_ngram_heads != 0:   # as transformers: with PLE
             raise ValueError(
                 f"ple_embed_dim: must be divisible by the number of hash heads "
                 f"(ngram_size - 1) * heads_per_ngram = {self.num_ngram_heads}, got {self.ple_embed_dim}"
@@ -129,7 +130,7 @@ class PLEConfig:
     @property
     def ngram_head_dim(self) -> int:
         """D = E / NH, the width of one table row."""
-        return self.ple_embed_dim // self.num_ngram_heads
+        return cast(int, self.ple_embed_dim) // self.num_ngram_heads    # set by __post_init__ when None
 
     @property
     def hc_hidden_size(self) -> int:

@@ -14,6 +14,8 @@ import argparse
 import random
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -35,7 +37,7 @@ SIZES = {
 MAX_LAYERS = 8
 
 
-def int_at_least(minimum: int, maximum: int | None = None):
+def int_at_least(minimum: int, maximum: int | None = None) -> Callable[[str], int]:
     """An argparse ``type``: an int in ``[minimum, maximum]``; anything else is one ``error:`` line, exit 2."""
     def parse(text: str) -> int:
         try:
@@ -49,7 +51,7 @@ def int_at_least(minimum: int, maximum: int | None = None):
     return parse
 
 
-def _parser(sub) -> None:
+def _parser(sub: argparse._SubParsersAction[Any]) -> None:
     p = sub.add_parser("demo", help="build a layer and simulate serving, checked against forward",
                        description=__doc__.split("\n\n", 1)[1] if __doc__ else None,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -89,7 +91,7 @@ def _gate_stats(layer: PLELayer, hidden: torch.Tensor, ids: torch.Tensor) -> lis
     return lines
 
 
-def main(args) -> int:
+def main(args: argparse.Namespace) -> int:
     preset, overrides, n_req, max_live, max_prompt, max_chunk, max_gen = SIZES[args.size]
     try:
         config = PLEConfig.preset(preset, **overrides, ple_layer_ids=tuple(range(1, args.layers + 1)))

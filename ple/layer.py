@@ -22,7 +22,7 @@ rows fetched ahead of time by ``layer.start_prefetch``.
 from __future__ import annotations
 
 from types import ModuleType
-from typing import NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,9 @@ from .config import PLEConfig
 from .offload import start_prefetch as _start_prefetch
 from .reference.hashing import HashParams, hash_params
 from .table import DenseTable, QuantizedTable, Table
+
+if TYPE_CHECKING:
+    from .state import PLECache, StepBatch
 
 __all__ = ["PLELayer", "GroupedRMSNorm", "NGramEmbedding", "Intermediates"]
 
@@ -62,7 +65,8 @@ class Intermediates(NamedTuple):
 class GroupedRMSNorm(nn.Module):
     """Holds the weight of one grouped RMS norm (``[C]``, starts at zero: scale ``1 + w``)."""
 
-    def __init__(self, channels: int, group_size: int, eps: float, device=None, dtype=None):
+    def __init__(self, channels: int, group_size: int, eps: float, device: torch.device | str | int | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.group_size = group_size
         self.eps = eps
@@ -79,8 +83,13 @@ class NGramEmbedding(nn.Module):
     sharded, ...) must have the same number of rows and row width.
     """
 
-    def __init__(self, config: PLEConfig, ple_layer_index: int, device=None, dtype=None, *,
-                 table: Table | None = None, sparse_grad: bool = False):
+    layer_multipliers: torch.Tensor          # buffers, registered in __init__
+    ngram_heads_vocab_sizes: torch.Tensor
+    ngram_heads_offsets: torch.Tensor
+    ngram_embedding: Table
+
+    def __init__(self, config: PLEConfig, ple_layer_index: int, device: torch.device | str | int | None = None,
+                 dtype: torch.dtype | None = None, *, table: Table | None = None, sparse_grad: bool = False) -> None:
         super().__init__()
         params = hash_params(config, ple_layer_index)
         D = config.ngram_head_dim
@@ -151,9 +160,11 @@ class PLELayer(nn.Module):
     use ``nn.Linear``'s default, the three norms and the conv start at zero.
     """
 
+    _custom_ops: CustomOps | None
+
     def __init__(self, config: PLEConfig, ple_layer_index: int = 0, *, backend: str = "reference",
-                 device=None, dtype=None, sparse_table_grad: bool = False, table: Table | None = None,
-                 ops=None):
+                 device: torch.device | str | int | None = None, dtype: torch.dtype | None = None,
+                 sparse_table_grad: bool = False, table: Table | None = None, ops: object | None = None) -> None:
         super().__init__()
         if not isinstance(config, PLEConfig):
             raise TypeError(f"config: expected a PLEConfig, got {type(config).__name__}")
@@ -166,8 +177,9 @@ class PLELayer(nn.Module):
                              f"(ple_layer_ids={list(config.ple_layer_ids)}), got index {ple_layer_index}")
         self.config = config
         self.ple_layer_index = ple_layer_index
-        C, H, E, K = config.hc_hidden_size, config.hidden_size, config.ple_embed_dim, config.ple_conv_kernel_size
-        kw = dict(device=device, dtype=dtype)
+        C, H, K = config.hc_hidden_size, config.hidden_size, config.ple_conv_kernel_size
+        E = cast(int, config.ple_embed_dim)          # set by PLEConfig.__post_init__
+        kw: dict[str, Any] = dict(device=device, dtype=dtype)
         self.ple_embedding = NGramEmbedding(config, ple_layer_index, **kw, table=table,
                                             sparse_grad=sparse_table_grad)
         self.key_proj = nn.Linear(E, C, bias=False, **kw)
@@ -305,7 +317,7 @@ class PLELayer(nn.Module):
             self._kv_cache = cached
         return cached[1]
 
-    def gate(self, embeddings: torch.Tensor, hidden_states: torch.Tensor):
+    def gate(self, embeddings: torch.Tensor, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Project ``[T, E]`` embeddings to key and value (`project`) and gate them: ``(gated, conv_input)``."""
         key, value = self.project(embeddings)
         return self.ops.ple_gate(key, value, hidden_states, self.norm_key.weight, self.norm_query.weight,
@@ -386,7 +398,7 @@ class PLELayer(nn.Module):
                              rows(conv_input), y, out)
 
     # ---- serving -------------------------------------------------------------------------------
-    def step(self, hidden_states: torch.Tensor, batch, cache) -> torch.Tensor:
+    def step(self, hidden_states: torch.Tensor, batch: StepBatch, cache: PLECache) -> torch.Tensor:
         """One serving step: ``[T, C]`` rows of ``batch`` (from ``cache.schedule``) -> ``[T, C]``.
 
         See ``ple.state`` for the cache; the outputs equal ``forward`` over each

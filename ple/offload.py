@@ -33,13 +33,21 @@ them there): they are then hashed on the host, without a device synchronisation.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
 
 from . import _checks
 from .quant import gather_raw
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from .layer import PLELayer
+
+    _Rows: TypeAlias = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]   # (ids, rows, row_scale)
 
 __all__ = ["offload_table", "is_offloaded", "start_prefetch", "start_fetch", "Prefetch"]
 
@@ -53,7 +61,7 @@ def _executor() -> ThreadPoolExecutor:
     return _EXECUTOR
 
 
-def offload_table(layer, *, pin: bool | None = None):
+def offload_table(layer: PLELayer, *, pin: bool | None = None) -> PLELayer:
     """Keep ``layer``'s table in host memory; everything else stays where it is. Returns ``layer``.
 
     Move the layer to its device first (``layer.to("cuda")`` moves the table too), then
@@ -64,13 +72,13 @@ def offload_table(layer, *, pin: bool | None = None):
     return layer
 
 
-def is_offloaded(layer) -> bool:
+def is_offloaded(layer: PLELayer) -> bool:
     """Whether the table lives on another device (the host) than the layer's projections."""
     return layer.table.weight.device != layer.key_proj.weight.device
 
 
 @torch.no_grad()
-def start_prefetch(layer, input_ids: torch.Tensor, query_start_loc: torch.Tensor | None = None,
+def start_prefetch(layer: PLELayer, input_ids: torch.Tensor, query_start_loc: torch.Tensor | None = None,
                    ngram_context: torch.Tensor | None = None) -> None:
     """Hash ``input_ids`` and start fetching their rows for the layer's next lookup (see the module doc).
 
@@ -107,12 +115,14 @@ def _pinned_lookup(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 class Prefetch:
     """A fetch in flight: ``result()`` waits, then gives ``(ids, rows, row_scale)`` on the device."""
 
-    def __init__(self, ids=None, rows=None, scale=None, *, future=None, done=None):
-        self._value = (ids, rows, scale)
+    def __init__(self, ids: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                 scale: torch.Tensor | None = None, *, future: Future[tuple[_Rows, torch.cuda.Event]] | None = None,
+                 done: torch.cuda.Event | None = None) -> None:
+        self._value: _Rows = cast("_Rows", (ids, rows, scale))     # ids and rows are None only with a future
         self._future = future
         self._done = done
 
-    def result(self):
+    def result(self) -> _Rows:
         if self._future is not None:
             self._value, self._done = self._future.result()
             self._future = None
@@ -163,7 +173,7 @@ def start_fetch(weight: torch.Tensor, weight_scale: torch.Tensor | None, ids: to
         ids_ready = torch.cuda.Event()
         ids_ready.record(torch.cuda.current_stream(ids.device))
 
-    def work():
+    def work() -> tuple[_Rows, torch.cuda.Event]:
         if ids_ready is not None:
             ids_ready.synchronize()
         rows_h, scale_h = gather_raw(weight, weight_scale, ids_host, _pinned_lookup)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.types import Device
 
 __all__ = ["HashParams"]
 
@@ -39,6 +40,6 @@ class HashParams:
         return (f"HashParams(N={self.ngram_size}, {self.head_sizes.numel()} heads of sizes {sizes}, "
                 f"num_rows={self.num_rows}, vocab_size={self.vocab_size})")
 
-    def to(self, device) -> HashParams:
+    def to(self, device: Device) -> HashParams:
         return HashParams(self.multipliers.to(device), self.head_sizes.to(device),
                           self.head_offsets.to(device), self.num_rows, self.vocab_size)

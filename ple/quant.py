@@ -35,6 +35,7 @@ Dequantizing to bfloat16 adds the output rounding, at most ``2**-8 * |deq|``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,7 +70,7 @@ def scheme_of(dtype: torch.dtype) -> Scheme | None:
     return None
 
 
-def as_scheme(scheme) -> Scheme:
+def as_scheme(scheme: Scheme | str) -> Scheme:
     """A `Scheme` from itself or its name (``"fp8"``, ``"int8"``)."""
     if isinstance(scheme, Scheme):
         return scheme
@@ -84,7 +85,8 @@ def fp8_scale(amax: float | torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, amax / SCHEMES["fp8"].qmax, torch.ones_like(amax))
 
 
-def quantize(table: torch.Tensor, scheme, *, scale: torch.Tensor | None = None):
+def quantize(table: torch.Tensor, scheme: Scheme | str, *,
+             scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize a float table ``[rows, D]``: returns ``(weight, weight_scale)``.
 
     ``fp8``: ``weight_scale`` is ``[1]``, ``max|table| / 448`` unless ``scale`` is given
@@ -136,7 +138,8 @@ def reference_lookup(weight: torch.Tensor, weight_scale: torch.Tensor, ids: torc
     return dequantize(weight, weight_scale, dtype)[ids.to(torch.int64)].reshape(T, NH * weight.shape[1])
 
 
-def error_bound(table: torch.Tensor, scheme, *, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def error_bound(table: torch.Tensor, scheme: Scheme | str, *,
+                out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The documented elementwise bound on ``|dequantize(quantize(table)) - table|`` (see the module doc).
 
     A float32 rounding allowance (``2**-22 * |w|``) is included. With ``out_dtype``
@@ -156,7 +159,9 @@ def error_bound(table: torch.Tensor, scheme, *, out_dtype: torch.dtype = torch.f
     return bound
 
 
-def gather_raw(weight: torch.Tensor, weight_scale: torch.Tensor | None, ids: torch.Tensor, lookup):
+def gather_raw(weight: torch.Tensor, weight_scale: torch.Tensor | None, ids: torch.Tensor,
+               lookup: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The stored rows of hash ids ``[T, NH]``: ``(rows [T, NH * D] in weight's dtype, row_scale)``.
 
     ``lookup(table, ids)`` is an ``embedding_lookup``. A 1-byte float table (FP8) is

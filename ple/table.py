@@ -30,11 +30,19 @@ from __future__ import annotations
 
 import functools
 import warnings
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
+from torch.types import Device
 
-from .quant import SCHEMES, as_scheme, dequantize_rows, gather_raw, quantize, scheme_of
+from .quant import SCHEMES, Scheme, as_scheme, dequantize_rows, gather_raw, quantize, scheme_of
+
+if TYPE_CHECKING:
+    from .backends import CustomOps
+    from .offload import Prefetch
 
 __all__ = ["Table", "DenseTable", "QuantizedTable", "gather_raw", "is_float_table", "FLOAT_TABLE_DTYPES",
            "register_dtensor_lookup"]
@@ -47,7 +55,7 @@ def is_float_table(dtype: torch.dtype) -> bool:
     return dtype in FLOAT_TABLE_DTYPES
 
 
-def _is_dtensor(t) -> bool:
+def _is_dtensor(t: object) -> bool:
     if not torch.distributed.is_available():
         return False
     from torch.distributed.tensor import DTensor
@@ -55,10 +63,10 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
-_dtensor_lookup = None
+_dtensor_lookup: Callable[..., torch.Tensor] | None = None
 
 
-def register_dtensor_lookup(fn) -> None:
+def register_dtensor_lookup(fn: Callable[..., torch.Tensor]) -> None:
     """Set the lookup of a table whose ``weight`` is a DTensor: ``fn(table, ids, dtype, *, ops, validate)``.
 
     ``ple.distributed`` registers its collective lookup when imported (this module imports
@@ -77,10 +85,11 @@ class Table(nn.Module):
     """
 
     prefetch_verify: bool = True
+    weight: torch.Tensor                     # set by the subclass (a Parameter or a buffer)
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__()
-        self._pending = None
+        self._pending: Prefetch | None = None
         self.sparse_grad = False
 
     # ---- what it holds -----------------------------------------------------------------------
@@ -95,19 +104,20 @@ class Table(nn.Module):
     @property
     def scale(self) -> torch.Tensor | None:
         """``weight_scale`` of a quantized table, else None."""
-        return getattr(self, "weight_scale", None)
+        return cast("torch.Tensor | None", getattr(self, "weight_scale", None))   # a buffer, if any
 
     @property
     def quantized(self) -> bool:
         return self.scale is not None or not is_float_table(self.weight.dtype)
 
     @property
-    def pending_prefetch(self):
+    def pending_prefetch(self) -> Prefetch | None:
         """The prefetch `rows` will consume next (``ple.offload``), or None."""
         return self._pending
 
     # ---- lookups -----------------------------------------------------------------------------
-    def rows(self, ids: torch.Tensor, dtype: torch.dtype, *, ops, validate: bool = True) -> torch.Tensor:
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype, *, ops: ModuleType | CustomOps,
+             validate: bool = True) -> torch.Tensor:
         """Rows of hash ids ``[T, NH]`` as ``[T, NH * D]`` in ``dtype`` on ``ids``'s device.
 
         ``ops`` is the backend's op module (its ``embedding_lookup`` gathers on the table's
@@ -119,7 +129,9 @@ class Table(nn.Module):
         if pending is not None:
             got = self._take(pending, ids)
             if got is not None:
-                return dequantize_rows(*got, dtype) if self.quantized else got[0].to(dtype)
+                rows, scale = got
+                # A quantized table has a scale (only a table with a float weight and no scale is not).
+                return dequantize_rows(rows, cast(torch.Tensor, scale), dtype) if self.quantized else rows.to(dtype)
         return self.lookup(ids, dtype, ops=ops, validate=validate)
 
     @property
@@ -127,7 +139,8 @@ class Table(nn.Module):
         """The weight is a ``DTensor`` (``ple.distributed.TableRowwise`` / ``TableColwise``): lookups are collective."""
         return _is_dtensor(self.weight)
 
-    def lookup(self, ids: torch.Tensor, dtype: torch.dtype, *, ops, validate: bool = True) -> torch.Tensor:
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype, *, ops: ModuleType | CustomOps,
+               validate: bool = True) -> torch.Tensor:
         """`rows` without a prefetch: gathered now."""
         if self.is_dtensor:
             if _dtensor_lookup is None:
@@ -148,9 +161,9 @@ class Table(nn.Module):
             rows = rows.to(ids.device, non_blocking=rows.is_pinned())
             if scale is not None:
                 scale = scale.to(ids.device, non_blocking=scale.is_pinned())
-        return dequantize_rows(rows, scale, dtype) if self.quantized else rows.to(dtype)
+        return dequantize_rows(rows, cast(torch.Tensor, scale), dtype) if self.quantized else rows.to(dtype)
 
-    def _take(self, pending, ids: torch.Tensor):
+    def _take(self, pending: Prefetch, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``(rows, row_scale)`` of a pending prefetch if it may be used for ``ids``, else None (warns)."""
         p_ids, rows, scale = pending.result()
         if torch.is_grad_enabled() and self.weight.requires_grad:
@@ -201,7 +214,7 @@ class Table(nn.Module):
                                       "nothing to prefetch")
         self._pending = start_fetch(self.weight, self.scale, ids, torch.device(device))
 
-    def _apply(self, fn, recurse=True):
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> Table:
         # A quantized table's buffers are presented as integer views while `fn` runs, so device
         # moves apply to them and dtype casts (which touch floating-point tensors only) do not.
         # (Every table that is quantized holds its tensors as buffers, never as parameters.)
@@ -215,7 +228,7 @@ class Table(nn.Module):
             super()._apply(fn, recurse)
         finally:
             for k, t in held.items():
-                self._buffers[k] = self._buffers[k].view(t.dtype)
+                self._buffers[k] = cast(torch.Tensor, self._buffers[k]).view(t.dtype)   # set again by fn
         return self
 
 
@@ -227,7 +240,8 @@ class DenseTable(Table):
     would not fit (the real model's: 320M x 160 in float32, about 205 GB).
     """
 
-    def __init__(self, num_rows: int, dim: int, *, device=None, dtype=None, sparse_grad: bool = False):
+    def __init__(self, num_rows: int, dim: int, *, device: Device = None, dtype: torch.dtype | None = None,
+                 sparse_grad: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_rows, dim, device=device, dtype=dtype))
         if self.weight.device.type != "meta":
@@ -247,7 +261,7 @@ class QuantizedTable(Table):
     both as they are, bit for bit.
     """
 
-    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor) -> None:
         super().__init__()
         s = scheme_of(weight.dtype)
         if s is None or weight.dim() != 2:
@@ -261,11 +275,11 @@ class QuantizedTable(Table):
         self.register_buffer("weight_scale", weight_scale)
 
     @classmethod
-    def from_float(cls, table: torch.Tensor, scheme) -> QuantizedTable:
+    def from_float(cls, table: torch.Tensor, scheme: Scheme | str) -> QuantizedTable:
         return cls(*quantize(table, scheme))
 
     @classmethod
-    def empty(cls, num_rows: int, dim: int, scheme, device=None) -> QuantizedTable:
+    def empty(cls, num_rows: int, dim: int, scheme: Scheme | str, device: Device = None) -> QuantizedTable:
         """An uninitialised table (e.g. on the meta device, filled by ``load_state_dict(assign=True)``)."""
         s = as_scheme(scheme)
         scale_shape = (num_rows, 1) if s.per_row else (1,)
@@ -273,8 +287,8 @@ class QuantizedTable(Table):
                    torch.ones(scale_shape, dtype=torch.float32, device=device))
 
     @property
-    def scheme(self):
-        return scheme_of(self.weight.dtype)
+    def scheme(self) -> Scheme:
+        return cast(Scheme, scheme_of(self.weight.dtype))       # checked in __init__
 
     def extra_repr(self) -> str:
         return f"{self.num_rows}, {self.dim}, scheme={self.scheme.name}"

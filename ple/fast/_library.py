@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -20,12 +21,14 @@ from ..backends import twin as _twin
 
 __all__ = ["register", "twin", "INTERPRETED", "check_runnable"]
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 """Whether the kernels were defined under the interpreter (Triton reads ``TRITON_INTERPRET`` when a kernel
 is defined, i.e. when ``ple.fast`` is first imported; setting it later changes nothing)."""
 
 
-def check_runnable(name: str, args, kwargs) -> None:
+def check_runnable(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """``ValueError`` if the call's tensors are on the CPU while the kernels are compiled (not interpreted):
     Triton's own error there is "0 active drivers"."""
     if INTERPRETED:
@@ -41,8 +44,9 @@ def check_runnable(name: str, args, kwargs) -> None:
             return
 
 
-def register(name: str, impl: Callable, *, fake: Callable, mutates_args=(), backward: Callable | None = None,
-             setup_context: Callable | None = None):
+def register(name: str, impl: Callable[..., Any], *, fake: Callable[..., Any], mutates_args: str | tuple[str, ...] = (),
+             backward: Callable[..., Any] | None = None,
+             setup_context: Callable[..., Any] | None = None) -> torch.library.CustomOpDef:
     """``torch.ops.ple.<name>`` running ``impl`` (annotated: its annotations are the op's schema).
 
     ``fake`` gives the outputs' metadata under tracing; ``backward`` / ``setup_context``
@@ -55,7 +59,7 @@ def register(name: str, impl: Callable, *, fake: Callable, mutates_args=(), back
     return op
 
 
-def twin(reference: Callable) -> Callable[[Callable], Callable]:
+def twin(reference: Callable[..., Any]) -> Callable[[_F], _F]:
     """``ple.backends.twin`` with `check_runnable` as its guard: the public op takes ``reference``'s docstring
     and signature, and refuses CPU tensors while the kernels are compiled."""
     return _twin(reference, guard=check_runnable)

@@ -77,6 +77,8 @@ The training conv is ``training_conv``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -162,17 +164,17 @@ def _step_out_kernel(
         x_at = x_ptr + row * stride_x_t + c * stride_x_c
         s_at = state_at + (S + src) * stride_state_w
         if IS_STATE_SAME_DTYPE:                                 # one load, from either buffer
-            hist = hist + (tl.load(tl.where(in_step, x_at, s_at), mask=tl.where(in_step, live, init), other=0.0),)
+            hist = hist + (tl.load(tl.where(in_step, x_at, s_at), mask=tl.where(in_step, live, init), other=0.0),)  # type: ignore[assignment]  # Triton: a tuple grown per step
         else:
             xv = tl.load(x_at, mask=live & in_step, other=0.0)
             sv = convert(tl.load(s_at, mask=init & ((zc + src) < 0), other=0.0), XT, IS_STATE_BF16, IS_X_BF16)
-            hist = hist + (tl.where(in_step, xv, sv),)
+            hist = hist + (tl.where(in_step, xv, sv),)  # type: ignore[assignment]  # Triton: a tuple grown per step
 
     for i in tl.static_range(BLOCK_T):
         p = t0 + i
         m_o = cmask & ((zc + p) < n)
         row = row_of(rows_ptr, stride_rows_t, lo, n, p, HAS_TOKEN_INDICES)
-        hist = hist + (tl.load(x_ptr + row * stride_x_t + c * stride_x_c, mask=m_o & live, other=0.0),)
+        hist = hist + (tl.load(x_ptr + row * stride_x_t + c * stride_x_c, mask=m_o & live, other=0.0),)  # type: ignore[assignment]  # Triton: a tuple grown per step
         acc = tl.zeros([BLOCK_C], dtype=tl.float32)
         if IS_FP64:
             acc = acc.to(tl.float64)
@@ -191,7 +193,7 @@ def _step_out_kernel(
             tl.store(res_at, down(out, XT, IS_X_BF16), mask=m_o & live)
         window = ()                                             # drop the oldest position
         for k in tl.static_range(S):
-            window = window + (hist[k + 1],)
+            window = window + (hist[k + 1],)  # type: ignore[assignment]  # Triton: a tuple grown per step
         hist = window
 
 
@@ -364,8 +366,9 @@ def _ple_conv_impl(inputs: torch.Tensor, residual: torch.Tensor, conv_state: tor
                    num_accepted_tokens: torch.Tensor | None, spec_query_len: int,
                    token_indices: torch.Tensor | None, outer_residual: torch.Tensor | None,
                    null_slot: int, validate: bool) -> None:
-    args = (inputs, residual, conv_state, conv_weights, state_indices, conv_mode, dilation, query_start_loc,
-            has_initial_states, num_accepted_tokens, spec_query_len, token_indices, outer_residual, null_slot)
+    args: tuple[Any, ...] = (inputs, residual, conv_state, conv_weights, state_indices, conv_mode, dilation,
+                             query_start_loc, has_initial_states, num_accepted_tokens, spec_query_len,
+                             token_indices, outer_residual, null_slot)
     if validate:
         _checks.ple_conv_values(*args[:5], **dict(zip(_CONV_KEYWORDS, args[5:], strict=True)))
     _ple_conv_fwd(*args)
@@ -379,9 +382,12 @@ _ple_conv_op = register("ple_conv", _ple_conv_impl, fake=_no_output, mutates_arg
 
 
 @twin(_reference.ple_conv)
-def ple_conv(inputs, residual, conv_state, conv_weights, state_indices, *, mode, dilation, query_start_loc=None,
-             has_initial_states=None, num_accepted_tokens=None, spec_query_len=1, token_indices=None,
-             outer_residual=None, null_slot=0, validate=True):
+def ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Tensor,
+             conv_weights: torch.Tensor, state_indices: torch.Tensor, *, mode: str, dilation: int,
+             query_start_loc: torch.Tensor | None = None, has_initial_states: torch.Tensor | None = None,
+             num_accepted_tokens: torch.Tensor | None = None, spec_query_len: int = 1,
+             token_indices: torch.Tensor | None = None, outer_residual: torch.Tensor | None = None,
+             null_slot: int = 0, validate: bool = True) -> None:
     _checks.ple_conv_meta(
         inputs, residual, conv_state, conv_weights, state_indices, mode=mode, dilation=dilation,
         query_start_loc=query_start_loc, has_initial_states=has_initial_states,
@@ -405,8 +411,10 @@ _export_op = register("export_conv_checkpoints", _export_impl, fake=_no_output, 
 
 
 @twin(_reference.export_conv_checkpoints)
-def export_conv_checkpoints(inputs, conv_state, *, query_start_loc, offsets, slots, state_len, token_indices=None,
-                            null_slot=0, validate=True):
+def export_conv_checkpoints(inputs: torch.Tensor, conv_state: torch.Tensor, *,
+                            query_start_loc: torch.Tensor, offsets: torch.Tensor, slots: torch.Tensor,
+                            state_len: int, token_indices: torch.Tensor | None = None,
+                            null_slot: int = 0, validate: bool = True) -> None:
     _checks.export_meta(inputs, conv_state, query_start_loc=query_start_loc, offsets=offsets, slots=slots,
                         state_len=state_len, token_indices=token_indices, null_slot=null_slot)
     _export_op(inputs, conv_state, query_start_loc, offsets, slots, state_len, token_indices, null_slot,

@@ -96,7 +96,7 @@ def weight_args(conv_weights: torch.Tensor) -> dict:
     words = {2: torch.int32, 4: torch.int64}.get(K)
     packable = (conv_weights.dtype == torch.bfloat16 and words is not None and conv_weights.stride(1) == 1
                 and conv_weights.stride(0) % K == 0 and conv_weights.storage_offset() % K == 0)
-    w = conv_weights.detach().view(words) if packable else conv_weights
+    w = conv_weights.detach().view(words) if packable and words is not None else conv_weights
     return dict(w_ptr=w, stride_w_c=w.stride(0), stride_w_k=w.stride(1),
                 IS_W_BF16=conv_weights.dtype == torch.bfloat16)
 
@@ -115,10 +115,10 @@ def load_taps(w_ptr, c, stride_w_c, stride_w_k, mask, K: tl.constexpr, IS_W_BF16
         word = tl.load(w_ptr + c * stride_w_c, mask=mask, other=0)
         for j in tl.static_range(K):
             bits = ((word >> (16 * j)) & 0xFFFF).to(tl.uint32) << 16
-            taps = taps + (up(bits.to(tl.float32, bitcast=True), False, IS_FP64),)
+            taps = taps + (up(bits.to(tl.float32, bitcast=True), False, IS_FP64),)  # type: ignore[assignment]  # Triton: a tuple grown per step
     else:
         for j in tl.static_range(K):
-            taps = taps + (up(tl.load(w_ptr + c * stride_w_c + j * stride_w_k, mask=mask, other=0.0), IS_W_BF16,
+            taps = taps + (up(tl.load(w_ptr + c * stride_w_c + j * stride_w_k, mask=mask, other=0.0), IS_W_BF16,  # type: ignore[assignment]  # Triton: a tuple grown per step
                               IS_FP64),)
     return taps
 
@@ -163,16 +163,16 @@ def _step_fused_kernel(
         sv = tl.load(state_at + (off + k) * stride_state_w, mask=init, other=0.0)
         if not IS_STATE_SAME_DTYPE:
             sv = convert(sv, XT, IS_STATE_BF16, IS_X_BF16)
-        hist = hist + (sv,)
+        hist = hist + (sv,)  # type: ignore[assignment]  # Triton: a tuple grown per step
     res = ()
     outer = ()
     for i in tl.static_range(Q):                                # hist[S + i]: the request's row i
         row = row_of(rows_ptr, stride_rows_t, lo, n, i, HAS_TOKEN_INDICES)
         m_i = (c < C) & ((zc + i) < n)
-        hist = hist + (tl.load(x_ptr + row * stride_x_t + c * stride_x_c, mask=m_i & live, other=0.0),)
-        res = res + (tl.load(res_ptr + row * stride_res_t + c * stride_res_c, mask=m_i, other=0.0),)
+        hist = hist + (tl.load(x_ptr + row * stride_x_t + c * stride_x_c, mask=m_i & live, other=0.0),)  # type: ignore[assignment]  # Triton: a tuple grown per step
+        res = res + (tl.load(res_ptr + row * stride_res_t + c * stride_res_c, mask=m_i, other=0.0),)  # type: ignore[assignment]  # Triton: a tuple grown per step
         if HAS_OUTER_RESIDUAL:
-            outer = outer + (tl.load(outer_ptr + row * stride_outer_t + c * stride_outer_c, mask=m_i,
+            outer = outer + (tl.load(outer_ptr + row * stride_outer_t + c * stride_outer_c, mask=m_i,  # type: ignore[assignment]  # Triton: a tuple grown per step
                                      other=0.0),)
 
     taps = load_taps(w_ptr, c, stride_w_c, stride_w_k, live, K, IS_W_BF16, IS_FP64)
@@ -199,7 +199,7 @@ def _step_fused_kernel(
     # 3. The shifted window, after every load of the slot: state[:, m] = hist[m + 1], m < S + n - 1.
     tl.debug_barrier()
     for m in tl.static_range(S + Q - 1):
-        v = hist[m + 1]
+        v = hist[m + 1]  # type: ignore[var-annotated]  # Triton: an item of that tuple
         if not IS_STATE_SAME_DTYPE:
             v = convert(v, ST, IS_X_BF16, IS_STATE_BF16)
         tl.store(state_at + m * stride_state_w, v, mask=live & ((zc + m) < S + n - 1))

@@ -230,6 +230,6 @@ _lookup_op = register("embedding_lookup", _lookup_impl, fake=_lookup_fake, backw
 
 
 @twin(_reference.embedding_lookup)
-def embedding_lookup(weight, ids, *, validate=True):
+def embedding_lookup(weight: torch.Tensor, ids: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
     _checks.lookup_meta(weight, ids)
     return _lookup_op(weight, ids, bool(validate))

@@ -220,6 +220,8 @@ _gate_op = register("ple_gate", _gate_impl, fake=_gate_fake, backward=_gate_back
 
 
 @twin(_reference.ple_gate)
-def ple_gate(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps):
+def ple_gate(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor,
+             norm_key_weight: torch.Tensor, norm_query_weight: torch.Tensor,
+             norm_conv_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     _checks.gate_call(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps)
     return _gate_op(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, float(eps))

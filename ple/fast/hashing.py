@@ -169,9 +169,9 @@ def _hash(input_ids, multipliers, head_sizes, head_offsets, P, eos_token_id, que
         return out, emb
     qsl = query_start_loc if query_start_loc is not None else input_ids   # placeholders are never read
     ctx = ngram_context if ngram_context is not None else input_ids[None]
-    ids_out = out if write_ids else mult[None]
-    w = weight if has_table else mult[None]
-    e = emb if has_table else mult[None]
+    ids_out = out if out is not None else mult[None]                    # out is None without write_ids
+    w = weight if weight is not None else mult[None]
+    e = emb if emb is not None else mult[None]                          # emb is None without a table
     # The fused gather's tile is [tokens, NH', BLOCK_D] (NH' = NH rounded up to a power of two).
     block_t = max(1, _FUSED_ROWS // triton.next_power_of_2(NH)) if has_table else _BLOCK_T
     _ngram_kernel[(triton.cdiv(T, block_t),)](
@@ -213,8 +213,9 @@ _ngram_ids_op = register("ngram_ids", _ngram_ids_impl, fake=_ngram_ids_fake)
 
 
 @twin(_reference.ngram_ids)
-def ngram_ids(input_ids, params, *, heads_per_ngram, eos_token_id, query_start_loc=None, ngram_context=None,
-              validate=True):
+def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: int, eos_token_id: int,
+              query_start_loc: torch.Tensor | None = None,
+              ngram_context: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
     _checks.ngram_meta(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
     return _ngram_ids_op(input_ids, params.multipliers, params.head_sizes, params.head_offsets, params.vocab_size,
                          heads_per_ngram, eos_token_id, query_start_loc, ngram_context, bool(validate))

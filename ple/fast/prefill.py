@@ -430,9 +430,13 @@ _serving_op = register("ple_prefill_serving", _serving_impl, fake=_serving_fake,
 
 
 @twin(_reference.ple_prefill)
-def ple_prefill(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps, conv_weights,
-                *, dilation, query_start_loc, keep=None, conv_state=None, state_indices=None,
-                has_initial_states=None, token_indices=None, null_slot=0, validate=True):
+def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor,
+                norm_key_weight: torch.Tensor, norm_query_weight: torch.Tensor, norm_conv_weight: torch.Tensor,
+                eps: float, conv_weights: torch.Tensor, *, dilation: int, query_start_loc: torch.Tensor,
+                keep: torch.Tensor | None = None, conv_state: torch.Tensor | None = None,
+                state_indices: torch.Tensor | None = None, has_initial_states: torch.Tensor | None = None,
+                token_indices: torch.Tensor | None = None, null_slot: int = 0,
+                validate: bool = True) -> torch.Tensor:
     _checks.prefill_meta(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
                             conv_weights, dilation=dilation, query_start_loc=query_start_loc, keep=keep,
                             conv_state=conv_state, state_indices=state_indices,

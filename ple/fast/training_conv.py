@@ -425,6 +425,7 @@ _op = register("dilated_causal_conv", _fwd_impl, fake=_fwd_fake, backward=_backw
 
 
 @twin(_reference.dilated_causal_conv)
-def dilated_causal_conv(x, weight, *, dilation, cu_seqlens=None, validate=True):
+def dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: int,
+                        cu_seqlens: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
     _checks.dense_conv_meta(x, weight, dilation, cu_seqlens)
     return _op(x, weight, dilation, cu_seqlens, bool(validate))

@@ -51,6 +51,9 @@ was swapped out.
 
 from __future__ import annotations
 
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -60,12 +63,16 @@ from ..backends import resolve_backend, traits
 from ..config import PLEConfig
 from ..layer import PLELayer
 
+if TYPE_CHECKING:
+    from torch.types import Device
+    from transformers import Qwen4ExpTextConfig
+
 __all__ = ["patch", "unpatch", "is_patched", "TransformersPLELayer", "tiny_config", "MIN_TRANSFORMERS"]
 
 MIN_TRANSFORMERS = "5.23"
 
 
-def _modeling():
+def _modeling() -> ModuleType:
     """transformers' ``modeling_qwen4_exp`` module, or ImportError saying how to get it."""
     hint = f"ple.integrations.transformers needs transformers >= {MIN_TRANSFORMERS}: pip install 'ple[hf]'"
     try:
@@ -91,8 +98,10 @@ class TransformersPLELayer(PLELayer):
     whole-sequence layer, and ``layer.step`` serves from a ``ple.state.PLECache``.
     """
 
+    _original: tuple[nn.Module]              # set by `patch`: the model's module (a tuple: not a submodule)
+
     def __init__(self, config: PLEConfig, ple_layer_index: int, layer_idx: int, *, backend: str = "auto",
-                 device=None, dtype=None):
+                 device: Device = None, dtype: torch.dtype | None = None) -> None:
         super().__init__(config, ple_layer_index, backend=backend, device=device, dtype=dtype)
         self.layer_idx = _checks.int_arg("layer_idx", layer_idx, minimum=0)
 
@@ -100,13 +109,14 @@ class TransformersPLELayer(PLELayer):
     def from_module(cls, module: nn.Module, config: PLEConfig, *, backend: str = "auto") -> TransformersPLELayer:
         """Wrap a transformers ``Qwen4ExpTextPLELayer``: the new layer holds ``module``'s own parameter and
         buffer objects (nothing is copied or allocated), under the same names."""
-        emb = getattr(module, "ple_embedding", None)
+        hf: Any = module                     # transformers' module: its attributes are the model's
+        emb: Any = getattr(module, "ple_embedding", None)
         table = getattr(emb, "ngram_embedding", None)
         if type(table) is not nn.Embedding or not table.weight.is_floating_point():
             raise TypeError(f"module: expected the model's float nn.Embedding table, got "
                             f"{type(table).__name__} (a quantized or replaced table cannot be patched)")
-        layer = cls(config, emb.ple_layer_index, module.layer_idx, backend=backend, device="meta",
-                    dtype=module.key_proj.weight.dtype)
+        layer = cls(config, emb.ple_layer_index, hf.layer_idx, backend=backend, device="meta",
+                    dtype=hf.key_proj.weight.dtype)
         mine = dict(layer.named_parameters()) | dict(layer.named_buffers())
         theirs = dict(module.named_parameters()) | dict(module.named_buffers())
         if mine.keys() != theirs.keys():
@@ -120,8 +130,10 @@ class TransformersPLELayer(PLELayer):
         layer.train(module.training)
         return layer
 
-    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, cache=None,
-                conv_mask: torch.Tensor | None = None, *, past_key_values=None) -> torch.Tensor:
+    # The model's module's calling convention (not PLELayer.forward's): `patch` swaps it in for that module.
+    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor,  # type: ignore[override]
+                cache: Any = None, conv_mask: torch.Tensor | None = None, *,
+                past_key_values: Any = None) -> torch.Tensor:
         """The model's module's forward: ``gated + conv`` for ``[B, L, C]`` hidden states and ``[B, L]`` ids.
 
         ``cache`` is the model's cache object (or None: whole sequences, as in training); transformers
@@ -157,7 +169,7 @@ class TransformersPLELayer(PLELayer):
         y = self._conv(conv_input.reshape(B, L, C), cache)
         return gated.reshape(B, L, C) + y
 
-    def _ngram_context(self, input_ids: torch.Tensor, cache) -> torch.Tensor | None:
+    def _ngram_context(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor | None:
         """``[B, N-1]`` tokens before ``input_ids`` from the cache's conv state 2 (None: sequence starts), and
         the cache updated with ``input_ids`` as the model's module updates it."""
         if cache is None:
@@ -171,7 +183,7 @@ class TransformersPLELayer(PLELayer):
         cache.update_conv_state(ids, self.layer_idx, state_idx=2, conv_kernel_size=n)
         return context
 
-    def _conv(self, x: torch.Tensor, cache) -> torch.Tensor:
+    def _conv(self, x: torch.Tensor, cache: Any) -> torch.Tensor:
         """``silu(conv)`` of ``[B, L, C]`` conv inputs, continuing the cache's conv state 1 (and updating it)."""
         cfg = self.config
         w, d = self.conv_weights, cfg.conv_dilation
@@ -187,7 +199,7 @@ class TransformersPLELayer(PLELayer):
         return f"layer_idx={self.layer_idx}, " + super().extra_repr()
 
 
-def tiny_config(**changes):
+def tiny_config(**changes: Any) -> Qwen4ExpTextConfig:
     """A small ``Qwen4ExpTextConfig`` for trying `patch` without a checkpoint (``Qwen4ExpForCausalLM(tiny_config())``).
 
     Four decoder layers (three GatedDeltaNet, one indexed attention), hidden size 32, two
@@ -198,7 +210,7 @@ def tiny_config(**changes):
     _modeling()
     from transformers import Qwen4ExpTextConfig
 
-    fields = dict(
+    fields: dict[str, Any] = dict(
         vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
         head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
         linear_num_value_heads=2, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
@@ -216,7 +228,7 @@ def _share(layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         owner, _, attr = name.rpartition(".")
         sub = layer.get_submodule(owner)
         if attr in sub._parameters:
-            sub._parameters[attr] = t
+            sub._parameters[attr] = cast(nn.Parameter, t)         # one of the other module's parameters
         else:
             sub._buffers[attr] = t
 
@@ -228,7 +240,8 @@ def _ple_config(model: nn.Module) -> PLEConfig:
     return PLEConfig.from_dict(config.get_text_config(decoder=True).to_dict())
 
 
-def _ple_modules(model: nn.Module, kinds) -> list[tuple[nn.Module, str, nn.Module]]:
+def _ple_modules(model: nn.Module,
+                 kinds: type[nn.Module] | tuple[type[nn.Module], ...]) -> list[tuple[nn.Module, str, nn.Module]]:
     out = []
     for name, module in model.named_modules():
         if isinstance(module, kinds):
@@ -274,7 +287,8 @@ def unpatch(model: nn.Module) -> nn.Module:
 
     A model that is not patched is returned unchanged.
     """
-    for parent, attr, layer in _ple_modules(model, TransformersPLELayer):
+    for parent, attr, module in _ple_modules(model, TransformersPLELayer):
+        layer = cast(TransformersPLELayer, module)             # _ple_modules found only those
         (original,) = layer._original
         _share(original, dict(layer.named_parameters()) | dict(layer.named_buffers()))
         original.train(layer.training)

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING, Any
 
 from .convert import convert
 from .inspect import format_inspect, inspect
 from .save import TABLE_DTYPES
+
+if TYPE_CHECKING:
+    import argparse
 
 __all__ = ["register"]
 
@@ -20,7 +24,7 @@ def _size(text: str) -> int:
     return int(t)
 
 
-def _inspect(args) -> int:
+def _inspect(args: argparse.Namespace) -> int:
     try:
         report = inspect(args.path, args.config)
     except (ValueError, TypeError) as e:
@@ -30,7 +34,7 @@ def _inspect(args) -> int:
     return 1 if any(layer["error"] for layer in report["layers"]) else 0
 
 
-def _convert(args) -> int:
+def _convert(args: argparse.Namespace) -> int:
     merged = {None: None, "merged": True, "separate": False}[args.kv]
     max_file = None if args.max_file_size is None else _size(args.max_file_size)
     try:
@@ -47,7 +51,7 @@ def _convert(args) -> int:
     return 0
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction[Any]) -> None:
     """Add the ``inspect`` and ``convert`` subcommands to an argparse subparsers object."""
     p = sub.add_parser("inspect", help="list a checkpoint's PLE layers, tensors and hash-buffer checks",
                        description="Print the PLE layers of a safetensors checkpoint (file, directory or "

@@ -10,8 +10,11 @@ files (configs, tokenizer) are copied beside. What transformers would load wrong
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +26,10 @@ from .load import BLOCK_BYTES, CONFIG_METADATA_KEY, identify_index, resolve_conf
 from .policy import mark_config, mark_metadata, problems_of, refuse_unless_ple_only
 from .save import CheckpointTable, parse_table_dtype, prepare_dst, table_entries, tensor_entry, write_checkpoint
 
+if TYPE_CHECKING:
+    from .load import ConfigSource
+    from .save import TableDtype
+
 __all__ = ["convert", "WEIGHT_SUFFIXES"]
 
 WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.index.json", ".pt", ".pth")
@@ -32,7 +39,7 @@ WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json", ".bin", ".bin.inde
 def _copy_entry(ckpt: Checkpoint, key: str, block_bytes: int, new_key: str | None = None) -> Entry:
     info = ckpt.info(key)
 
-    def produce():
+    def produce() -> Iterator[torch.Tensor]:
         if len(info.shape) == 0 or info.numel == 0:
             yield ckpt.read(key)
             return
@@ -43,9 +50,11 @@ def _copy_entry(ckpt: Checkpoint, key: str, block_bytes: int, new_key: str | Non
     return Entry(new_key or key, info.dtype, info.shape, produce)
 
 
-def convert(src, dst, *, config=None, parts: int | None = None, table_dtype=None,
-            merged_kv: bool | None = None, max_file_bytes: int | None = None, block_bytes: int = BLOCK_BYTES,
-            overwrite: bool = False, ple_only: bool = False) -> dict:
+def convert(src: str | os.PathLike[str] | list[str | os.PathLike[str]] | tuple[str | os.PathLike[str], ...],
+            dst: str | os.PathLike[str], *, config: ConfigSource = None,
+            parts: int | None = None, table_dtype: TableDtype = None, merged_kv: bool | None = None,
+            max_file_bytes: int | None = None, block_bytes: int = BLOCK_BYTES, overwrite: bool = False,
+            ple_only: bool = False) -> dict[str, list[str]]:
     """Rewrite the checkpoint ``src`` as ``dst``: re-shard the PLE tables and/or change their dtype.
 
     Every PLE layer found is validated (as by `load_layer`) and rewritten with ``parts``
@@ -108,8 +117,8 @@ def convert(src, dst, *, config=None, parts: int | None = None, table_dtype=None
     for key in ckpt.keys():
         if key in table_keys:
             plan = table_keys[key]
-            p = parts if parts is not None else plan.parts
-            entries += table_entries(CheckpointTable(ckpt, plan), plan.prefix, p, target, block_bytes)
+            n_parts = parts if parts is not None else plan.parts
+            entries += table_entries(CheckpointTable(ckpt, plan), plan.prefix, n_parts, target, block_bytes)
         elif key in proj:
             plan, want = proj[key]
             entries += _kv_entries(ckpt, plan, want)
@@ -152,7 +161,7 @@ def _copy_other_files(src: Path, dst: Path, problems: list[str], names: list[str
             shutil.copyfile(item, target)
 
 
-def _out_dtype(plan: LayerPlan, target) -> torch.dtype:
+def _out_dtype(plan: LayerPlan, target: torch.dtype | Scheme | None) -> torch.dtype:
     if target is None:
         return plan.table_dtype
     return target.dtype if isinstance(target, Scheme) else target

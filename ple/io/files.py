@@ -30,6 +30,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +38,13 @@ from .writer import INDEX_NAME, ST_DTYPES, Entry, bytes_of, write_file, write_fi
 
 __all__ = ["TensorInfo", "Checkpoint", "Entry", "write_file", "write_files", "INDEX_NAME",
            "ST_DTYPES", "dtype_name", "human_bytes"]
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    # What `Checkpoint.open` takes: a file, a directory, an index file, a list of files, or a Checkpoint.
+    CheckpointSource: TypeAlias = ("str | os.PathLike[str] | list[str | os.PathLike[str]] "
+                                   "| tuple[str | os.PathLike[str], ...] | Checkpoint")
 
 _INDEX_SUFFIX = ".safetensors.index.json"
 
@@ -46,7 +54,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def human_bytes(n: int) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{n} B" if unit == "B" else f"{n:.2f} {unit}"
@@ -101,10 +109,11 @@ def _not_safetensors(file: Path, size: int, head: bytes, why: str) -> ValueError
                       f"safetensors.torch.save_file")
 
 
-def _library_header(file: Path, size: int, handle) -> tuple[dict, dict[str, tuple[torch.dtype, tuple]]]:
+def _library_header(file: Path, size: int,
+                    handle: Any) -> tuple[dict[str, str], dict[str, tuple[torch.dtype, tuple[int, ...]]]]:
     """``(metadata, {key: (dtype, shape)})`` of a file ``safe_open`` opened (so checked), keys in file order."""
     keys = handle.offset_keys() if hasattr(handle, "offset_keys") else handle.keys()   # older: sorted by name
-    tensors = {}
+    tensors: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for key in keys:
         piece = handle.get_slice(key)
         name = piece.get_dtype()
@@ -114,7 +123,7 @@ def _library_header(file: Path, size: int, handle) -> tuple[dict, dict[str, tupl
     return handle.metadata() or {}, tensors
 
 
-def _parse_header(file: Path) -> tuple[dict, dict[str, tuple[torch.dtype, tuple, int, int]]]:
+def _parse_header(file: Path) -> tuple[dict[str, str], dict[str, tuple[torch.dtype, tuple[int, ...], int, int]]]:
     """``(metadata, {key: (dtype, shape, begin, end)})`` of one file, byte offsets from the file start.
 
     Hand-written, for the files ``safe_open`` refuses, and only for them: it checks the
@@ -192,13 +201,13 @@ class Checkpoint:
     naming the file and the key, before any of its data is touched.
     """
 
-    def __init__(self, files: list[Path], root: Path):
+    def __init__(self, files: list[Path], root: Path) -> None:
         self.root = root
         self.files = files
         self.tensors: dict[str, TensorInfo] = {}
         self.metadata: dict[str, str] = {}
         self._offsets: dict[str, tuple[int, int]] = {}      # byte ranges, of the files read unmapped only
-        self._handles: dict[Path, object] = {}
+        self._handles: dict[Path, Any] = {}                 # safe_open handles (None: refused)
         self._sizes: dict[Path, int] = {}
         for file in files:
             if not file.exists():
@@ -219,7 +228,7 @@ class Checkpoint:
                 self.tensors[key] = TensorInfo(key, file, dtype, shape)
 
     @classmethod
-    def open(cls, path) -> Checkpoint:
+    def open(cls, path: CheckpointSource) -> Checkpoint:
         if isinstance(path, Checkpoint):
             return path
         if isinstance(path, (list, tuple)):
@@ -284,7 +293,7 @@ class Checkpoint:
     def total_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.files)
 
-    def _handle(self, file: Path):
+    def _handle(self, file: Path) -> Any:
         """A cached ``safe_open`` handle, or None where the library refuses the file (a bad file, or one it
         cannot memory-map, e.g. larger than the address space allows: `_parse_header` tells them apart)."""
         if file not in self._handles:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING, Any
 
 from ..config import PLEConfig
 from ..reference.hashing import hash_params
@@ -11,15 +12,19 @@ from .layout import BUFFERS, find_layers, plan_layer
 from .load import identify_index, resolve_config
 from .policy import is_marked, problems_of
 
+if TYPE_CHECKING:
+    from .files import CheckpointSource
+    from .load import ConfigSource
+
 __all__ = ["inspect", "format_inspect"]
 
 _SHARD = re.compile(r"^(.*\.shard_)(\d+)(\..*)$")
 
 
-def _tensor_rows(ckpt: Checkpoint, keys: list[str], prefix: str) -> list[dict]:
+def _tensor_rows(ckpt: Checkpoint, keys: list[str], prefix: str) -> list[dict[str, Any]]:
     """One row per tensor, shards of one name collapsed into one row ``shard_{0..n-1}``."""
-    rows: list[dict] = []
-    groups: dict[tuple, dict] = {}
+    rows: list[dict[str, Any]] = []
+    groups: dict[tuple[str, str], dict[str, Any]] = {}
     for key in keys:
         info = ckpt.info(key)
         rel = key[len(prefix):]
@@ -52,7 +57,7 @@ def _tensor_rows(ckpt: Checkpoint, keys: list[str], prefix: str) -> list[dict]:
     return out
 
 
-def inspect(path, config=None) -> dict:
+def inspect(path: CheckpointSource, config: ConfigSource = None) -> dict[str, Any]:
     """A JSON-able description of the checkpoint at ``path``: files, PLE layers and their tensors (shapes,
     dtypes, bytes), whether the hash buffers match the config, unknown keys, and any problem `load_layer`
     would raise. Reads headers and the int64 hash buffers only, never a table.
@@ -71,9 +76,10 @@ def inspect(path, config=None) -> dict:
             raise
         cfg, config_error = None, str(e)                  # a config.json of some other model: go on without
     layers = find_layers(ckpt)
-    report = dict(path=str(path), files=[dict(name=f.name, bytes=f.stat().st_size) for f in ckpt.files],
-                  total_bytes=ckpt.total_bytes, config=None if cfg is None else cfg.to_dict(),
-                  config_error=config_error, layers=[])
+    report: dict[str, Any] = dict(
+        path=str(path), files=[dict(name=f.name, bytes=f.stat().st_size) for f in ckpt.files],
+        total_bytes=ckpt.total_bytes, config=None if cfg is None else cfg.to_dict(), config_error=config_error,
+        layers=[])
     claimed = set()
     kinds = []                                    # (table scheme, merged kv) of the layers planned
     for pos, prefix in enumerate(layers):
@@ -115,12 +121,12 @@ def inspect(path, config=None) -> dict:
     return report
 
 
-def _shape_text(row: dict) -> str:
+def _shape_text(row: dict[str, Any]) -> str:
     shapes = row["shapes"]
     return str(shapes[0]) if row["shape"] is not None else f"{shapes[0]} .. {shapes[-1]}"
 
 
-def format_inspect(report: dict) -> str:
+def format_inspect(report: dict[str, Any]) -> str:
     """The text `python -m ple inspect` prints."""
     lines = []
     files = report["files"]

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import NoReturn, cast
 
 import torch
 
 from ..config import PLEConfig
 from ..quant import Scheme, scheme_of
 from ..reference.hashing import hash_params
-from .files import Checkpoint, dtype_name
+from .files import Checkpoint, TensorInfo, dtype_name
 
 __all__ = [
     "TABLE", "TABLE_SCALE", "SHARD", "SHARD_SCALE", "BUFFERS", "KEY_PROJ", "VALUE_PROJ", "KV_PROJ", "NORMS",
@@ -71,7 +72,7 @@ def shard_rows(num_rows: int, parts: int) -> list[tuple[int, int]]:
     return [(min(k * size, num_rows), min((k + 1) * size, num_rows)) for k in range(parts)]
 
 
-def _natural(s: str):
+def _natural(s: str) -> list[int | str]:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
 
@@ -100,8 +101,8 @@ class TablePiece:
 class BufferCheck:
     key: str
     status: str                 # "match", "mismatch", "missing"
-    expected: list
-    found: list | None
+    expected: list[int]
+    found: list[int] | None
 
 
 @dataclass
@@ -122,18 +123,19 @@ class LayerPlan:
     model_dtype: torch.dtype                 # dtype of the projections (of the norms if they are FP8)
     buffers: list[BufferCheck]
     unknown: list[str] = field(default_factory=list)   # full keys, skipped
-    proj_scales: dict = field(default_factory=dict)    # FP8 projection key -> its weight_scale key
+    proj_scales: dict[str, str] = field(default_factory=dict)    # FP8 projection key -> its weight_scale key
 
     @property
     def parts(self) -> int:
         return len(self.pieces) if self.sharded else 0
 
 
-def _fail(prefix: str, key: str, msg: str):
+def _fail(prefix: str, key: str, msg: str) -> NoReturn:
     raise ValueError(f"{prefix}{key}: {msg}")
 
 
-def _expect(ckpt: Checkpoint, prefix: str, key: str, shape: tuple, *, kind: str = "float", what: str = ""):
+def _expect(ckpt: Checkpoint, prefix: str, key: str, shape: tuple[int, ...], *, kind: str = "float",
+            what: str = "") -> TensorInfo:
     full = prefix + key
     if full not in ckpt:
         _fail(prefix, key, f"missing from the checkpoint (expected {what or 'a tensor'} of shape "
@@ -149,7 +151,7 @@ def _expect(ckpt: Checkpoint, prefix: str, key: str, shape: tuple, *, kind: str 
     return info
 
 
-def _missing_last_shards(ckpt: Checkpoint, prefix: str, keys: list[str], rows: int, D: int, split: int):
+def _missing_last_shards(ckpt: Checkpoint, prefix: str, keys: list[str], rows: int, D: int, split: int) -> None:
     """Fail naming the first missing shard when the shards found hold too few rows and are the first
     shards of a split into more parts: the config's ``split_ngram_parts``, or the fewest parts of their
     size."""
@@ -178,16 +180,17 @@ def plan_layer(ckpt: Checkpoint, config: PLEConfig, ple_layer_index: int, prefix
     (``inspect`` reports them instead).
     """
     p = hash_params(config, ple_layer_index)
-    C, H, E, K = config.hc_hidden_size, config.hidden_size, config.ple_embed_dim, config.ple_conv_kernel_size
+    C, H, K = config.hc_hidden_size, config.hidden_size, config.ple_conv_kernel_size
+    E = cast(int, config.ple_embed_dim)          # set by PLEConfig.__post_init__
     rows, D = p.num_rows, config.ngram_head_dim
     mine = [k[len(prefix):] for k in ckpt.keys() if k.startswith(prefix)]
     known: set[str] = set()
 
     # ---- the hash buffers first: they tell which layer this is --------------------------------------
     checks = []
-    for key, want in zip(BUFFERS, (p.multipliers, p.head_sizes, p.head_offsets), strict=True):
+    for key, values in zip(BUFFERS, (p.multipliers, p.head_sizes, p.head_offsets), strict=True):
         known.add(key)
-        want = want.tolist()
+        want = values.tolist()
         if prefix + key not in ckpt:
             checks.append(BufferCheck(key, "missing", want, None))
             continue
@@ -224,6 +227,7 @@ def plan_layer(ckpt: Checkpoint, config: PLEConfig, ple_layer_index: int, prefix
         _fail(prefix, TABLE, f"missing from the checkpoint (expected the table [{rows}, {D}] whole, or as "
                              f"shards {SHARD.format(k='k')})")
     dtypes = set()
+    info: TensorInfo | None
     for key, (a, b) in zip(keys, ranges, strict=True):
         info = ckpt.info(prefix + key)
         if info.shape != (b - a, D):
@@ -288,9 +292,9 @@ def plan_layer(ckpt: Checkpoint, config: PLEConfig, ple_layer_index: int, prefix
             allowed = [(), (1,), (shape[0],), (shape[0], 1)] + ([(2,)] if key == KV_PROJ else [])
             info = ckpt.info(prefix + sk) if prefix + sk in ckpt else None
             if info is None or info.dtype != torch.float32 or info.shape not in allowed:
-                got = "missing" if info is None else f"{dtype_name(info.dtype)} {list(info.shape)}"
+                seen = "missing" if info is None else f"{dtype_name(info.dtype)} {list(info.shape)}"
                 _fail(prefix, sk, f"an FP8 {key} needs a float32 scale of shape one of "
-                                  f"{[list(a) for a in allowed]}, got {got}")
+                                  f"{[list(a) for a in allowed]}, got {seen}")
             proj_scales[key] = sk
             known.add(sk)
     for n in NORMS:

@@ -13,12 +13,14 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, cast, overload
 
 import torch
 
 from .. import _checks
 from ..config import PLEConfig
 from ..layer import PLELayer
+from ..quant import Scheme
 from ..reference.hashing import hash_params
 from ..table import QuantizedTable
 from .files import Checkpoint, dtype_name
@@ -36,6 +38,17 @@ from .layout import (
     model_prefix,
     plan_layer,
 )
+
+if TYPE_CHECKING:
+    import os
+    from typing import TypeAlias
+
+    from torch.types import Device
+
+    from .files import CheckpointSource
+
+    # What ``config=`` takes: a PLEConfig, a dict, a preset name or a config.json path (None: found).
+    ConfigSource: TypeAlias = "PLEConfig | dict[str, Any] | str | os.PathLike[str] | None"
 
 __all__ = ["LoadReport", "load_layer", "load_layers", "resolve_config", "select_prefix", "identify_index",
            "read_table", "read_table_rows", "table_blocks", "CONFIG_METADATA_KEY", "BLOCK_BYTES"]
@@ -60,7 +73,7 @@ class LoadReport:
 
 
 # ---- config and prefix ----------------------------------------------------------------------------
-def resolve_config(ckpt: Checkpoint, config=None) -> PLEConfig | None:
+def resolve_config(ckpt: Checkpoint, config: ConfigSource = None) -> PLEConfig | None:
     """``config`` as a `PLEConfig` (a PLEConfig, a dict, a preset name or a JSON path), else the config
     saved in the checkpoint's metadata, else ``config.json`` next to its files, else None."""
     if isinstance(config, PLEConfig):
@@ -86,7 +99,7 @@ def resolve_config(ckpt: Checkpoint, config=None) -> PLEConfig | None:
     return None
 
 
-def _require_config(ckpt: Checkpoint, config) -> PLEConfig:
+def _require_config(ckpt: Checkpoint, config: ConfigSource) -> PLEConfig:
     cfg = resolve_config(ckpt, config)
     if cfg is None:
         raise ValueError(f"config: not given, and the checkpoint at {ckpt.root} has neither a saved config "
@@ -144,7 +157,8 @@ def _block_rows(row_bytes: int, block_bytes: int) -> int:
     return max(1, block_bytes // max(row_bytes, 1))
 
 
-def _open_layer(path, config, ple_layer_index: int, prefix: str | None) -> tuple[Checkpoint, LayerPlan]:
+def _open_layer(path: CheckpointSource, config: ConfigSource, ple_layer_index: int,
+                prefix: str | None) -> tuple[Checkpoint, LayerPlan]:
     """The checkpoint at ``path`` and the checked plan of PLE layer ``ple_layer_index`` in it."""
     ckpt = Checkpoint.open(path)
     cfg = _require_config(ckpt, config)
@@ -172,27 +186,27 @@ def table_blocks(ckpt: Checkpoint, plan: LayerPlan, start: int, stop: int,
             yield lo, values, scale
 
 
-def _read_rows(ckpt: Checkpoint, plan: LayerPlan, start: int, stop: int, *, dtype, device, pin,
-               block_bytes: int):
+def _read_rows(ckpt: Checkpoint, plan: LayerPlan, start: int, stop: int, *, dtype: torch.dtype | None,
+               device: Device, pin: bool, block_bytes: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows ``[start, stop)`` of the table into one preallocated tensor: ``(weight, scale or None)``."""
     quant = plan.scheme is not None
     tdtype = plan.table_dtype if quant or dtype is None else dtype
     weight = torch.empty((stop - start, plan.dim), dtype=tdtype, device=device, pin_memory=pin)
     scale = None
-    if quant and plan.scheme.per_row:
+    if plan.scheme is not None and plan.scheme.per_row:
         scale = torch.empty((stop - start, 1), dtype=torch.float32, device=device, pin_memory=pin)
-    elif quant:
-        scale = ckpt.read(plan.scale_key).reshape(1).to(device)
+    elif plan.scheme is not None:                       # fp8: its per-tensor scale (checked by plan_layer)
+        scale = ckpt.read(cast(str, plan.scale_key)).reshape(1).to(device)
     n = _block_rows(plan.dim * plan.table_dtype.itemsize, block_bytes)
     for a, values, row_scale in table_blocks(ckpt, plan, start, stop, n):
         weight[a - start: a - start + values.shape[0]].copy_(values)
-        if row_scale is not None:
-            scale[a - start: a - start + values.shape[0]].copy_(row_scale)
+        if row_scale is not None:                       # per-row scales: scale was made above
+            cast(torch.Tensor, scale)[a - start: a - start + values.shape[0]].copy_(row_scale)
     return weight, scale
 
 
-def read_table(ckpt: Checkpoint, plan: LayerPlan, *, dtype: torch.dtype | None = None, device=None,
-               pin: bool = False, block_bytes: int = BLOCK_BYTES):
+def read_table(ckpt: Checkpoint, plan: LayerPlan, *, dtype: torch.dtype | None = None, device: Device = None,
+               pin: bool = False, block_bytes: int = BLOCK_BYTES) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The table of ``plan`` read into one preallocated ``[rows, D]`` tensor: ``(weight, scale or None)``.
 
     Shards are read block by block (at most ``block_bytes`` at a time) straight into
@@ -205,8 +219,9 @@ def read_table(ckpt: Checkpoint, plan: LayerPlan, *, dtype: torch.dtype | None =
                       block_bytes=block_bytes)
 
 
-def read_table_rows(path, config=None, ple_layer_index: int = 0, *, start: int = 0, end: int | None = None,
-                    prefix: str | None = None, device=None, block_bytes: int = BLOCK_BYTES):
+def read_table_rows(path: CheckpointSource, config: ConfigSource = None, ple_layer_index: int = 0, *,
+                    start: int = 0, end: int | None = None, prefix: str | None = None, device: Device = None,
+                    block_bytes: int = BLOCK_BYTES) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows ``[start, end)`` of PLE layer ``ple_layer_index``'s table: ``(weight, weight_scale)``.
 
     ``path``, ``config``, ``ple_layer_index`` and ``prefix`` are as for `load_layer`,
@@ -238,11 +253,12 @@ def read_table_rows(path, config=None, ple_layer_index: int = 0, *, start: int =
     return _read_rows(ckpt, plan, start, end, dtype=None, device=device, pin=False, block_bytes=block_bytes)
 
 
-def _state_dict(ckpt: Checkpoint, plan: LayerPlan, *, device, dtype, table_device, pin, block_bytes) -> dict:
+def _state_dict(ckpt: Checkpoint, plan: LayerPlan, *, device: torch.device, dtype: torch.dtype,
+                table_device: torch.device, pin: bool, block_bytes: int) -> dict[str, torch.Tensor]:
     cfg = plan.config
     p = plan.prefix
 
-    def small(key):
+    def small(key: str) -> torch.Tensor:
         t = ckpt.read(p + key)
         if key in plan.proj_scales:                            # an FP8 projection: dequantize
             scale = ckpt.read(p + plan.proj_scales[key]).float()
@@ -252,11 +268,11 @@ def _state_dict(ckpt: Checkpoint, plan: LayerPlan, *, device, dtype, table_devic
             t = t.float() * scale
         return t.to(device=device, dtype=dtype)
 
-    sd = {}
+    sd: dict[str, torch.Tensor] = {}
     weight, scale = read_table(ckpt, plan, dtype=dtype, device=table_device, pin=pin, block_bytes=block_bytes)
     sd[TABLE] = weight
     if scale is not None:
-        per_row = plan.scheme.per_row
+        per_row = cast(Scheme, plan.scheme).per_row             # a scale comes with a quantized table
         sd[TABLE_SCALE] = scale if per_row else scale.to(device)
     for check in plan.buffers:
         values = check.found if check.found is not None else check.expected
@@ -271,9 +287,20 @@ def _state_dict(ckpt: Checkpoint, plan: LayerPlan, *, device, dtype, table_devic
     return sd
 
 
-def load_layer(path, config=None, ple_layer_index: int = 0, *, prefix: str | None = None,
-               backend: str = "reference", device=None, dtype: torch.dtype | None = None,
-               offload: bool = False, block_bytes: int = BLOCK_BYTES, return_report: bool = False):
+@overload
+def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_index: int = 0, *,
+               prefix: str | None = None, backend: str = "reference", device: Device = None,
+               dtype: torch.dtype | None = None, offload: bool = False, block_bytes: int = BLOCK_BYTES,
+               return_report: Literal[False] = False) -> PLELayer: ...
+@overload
+def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_index: int = 0, *,
+               prefix: str | None = None, backend: str = "reference", device: Device = None,
+               dtype: torch.dtype | None = None, offload: bool = False, block_bytes: int = BLOCK_BYTES,
+               return_report: Literal[True]) -> tuple[PLELayer, LoadReport]: ...
+def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_index: int = 0, *,
+               prefix: str | None = None, backend: str = "reference", device: Device = None,
+               dtype: torch.dtype | None = None, offload: bool = False, block_bytes: int = BLOCK_BYTES,
+               return_report: bool = False) -> PLELayer | tuple[PLELayer, LoadReport]:
     """Load PLE layer ``ple_layer_index`` from a safetensors checkpoint.
 
     ``path``: a ``.safetensors`` file, a directory of them (with or without
@@ -329,7 +356,7 @@ def load_layer(path, config=None, ple_layer_index: int = 0, *, prefix: str | Non
     return (layer, report) if return_report else layer
 
 
-def load_layers(path, config=None, **kwargs) -> list[PLELayer]:
+def load_layers(path: CheckpointSource, config: ConfigSource = None, **kwargs: Any) -> list[PLELayer]:
     """Every PLE layer of the config, in PLE-index order (keyword arguments as for `load_layer`)."""
     ckpt = Checkpoint.open(path)
     cfg = _require_config(ckpt, config)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from typing import Any
 
 from ..quant import Scheme
 from .files import Checkpoint
@@ -63,7 +64,7 @@ def refuse_unless_ple_only(problems: list[str], ple_only: bool) -> None:
                          f"say so), or keep a float table and separate projections")
 
 
-def mark_config(config: dict, problems: list[str]) -> dict:
+def mark_config(config: dict[str, Any], problems: list[str]) -> dict[str, Any]:
     """``config`` (a config.json dict) with the ple-only mark set to ``problems`` (removed when none)."""
     config = {k: v for k, v in config.items() if k != PLE_ONLY_KEY}
     if problems:

@@ -9,9 +9,12 @@ quantize). What transformers would load wrong, and the ``ple_only`` mark: ``ple.
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -37,14 +40,24 @@ from .layout import (
 from .load import BLOCK_BYTES, CONFIG_METADATA_KEY, table_blocks
 from .policy import mark_config, mark_metadata, refuse_unless_ple_only, transformers_problems
 
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from ..layer import PLELayer
+    from ..table import Table
+
+    # What ``table_dtype=`` takes: None (keep), a float dtype, a `Scheme`, or a name of ``TABLE_DTYPES``.
+    TableDtype: TypeAlias = "torch.dtype | Scheme | str | None"
+
 __all__ = ["save", "parse_table_dtype", "TABLE_DTYPES", "table_entries", "tensor_entry", "CheckpointTable",
            "prepare_dst", "write_checkpoint"]
 
-TABLE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-                "fp8": SCHEMES["fp8"], "int8": SCHEMES["int8"]}
+TABLE_DTYPES: dict[str, torch.dtype | Scheme] = {
+    "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+    "fp8": SCHEMES["fp8"], "int8": SCHEMES["int8"]}
 
 
-def parse_table_dtype(value):
+def parse_table_dtype(value: TableDtype) -> torch.dtype | Scheme | None:
     """``None`` (keep), a float ``torch.dtype``, a `Scheme`, or one of the names in ``TABLE_DTYPES``."""
     if value is None or isinstance(value, Scheme):
         return value
@@ -68,29 +81,30 @@ class _TableSource:
     num_rows: int
     dim: int
     dtype: torch.dtype
+    global_scale: torch.Tensor | None           # the per-tensor (fp8) scale, else None
 
     @property
     def scheme(self) -> Scheme | None:
         return scheme_of(self.dtype)
 
-    def blocks(self, start: int, stop: int, block_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def blocks(self, start: int, stop: int, block_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
         raise NotImplementedError
 
-    def float_blocks(self, start, stop, block_rows) -> Iterator[torch.Tensor]:
+    def float_blocks(self, start: int, stop: int, block_rows: int) -> Iterator[torch.Tensor]:
         """Blocks as float32 (dequantized if the table is quantized)."""
         for values, scale in self.blocks(start, stop, block_rows):
             yield values.float() if scale is None else dequantize(values, scale, torch.float32)
 
 
 class _MemoryTable(_TableSource):
-    def __init__(self, module):
+    def __init__(self, module: Table) -> None:
         self.weight = module.weight.detach()
         self.scale = module.scale.detach() if module.scale is not None else None
         self.num_rows, self.dim = self.weight.shape
         self.dtype = self.weight.dtype
         self.global_scale = self.scale.cpu() if self.scale is not None and self.scale.dim() == 1 else None
 
-    def blocks(self, start, stop, block_rows):
+    def blocks(self, start: int, stop: int, block_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
         for a in range(start, stop, block_rows):
             b = min(a + block_rows, stop)
             scale = None
@@ -103,12 +117,12 @@ class _MemoryTable(_TableSource):
 class CheckpointTable(_TableSource):
     """The table of a checkpoint's layer (``plan``), read block by block."""
 
-    def __init__(self, ckpt: Checkpoint, plan: LayerPlan):
+    def __init__(self, ckpt: Checkpoint, plan: LayerPlan) -> None:
         self.ckpt, self.plan = ckpt, plan
         self.num_rows, self.dim, self.dtype = plan.num_rows, plan.dim, plan.table_dtype
         self.global_scale = ckpt.read(plan.scale_key).reshape(1) if plan.scale_key else None
 
-    def blocks(self, start, stop, block_rows):
+    def blocks(self, start: int, stop: int, block_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
         for _, values, scale in table_blocks(self.ckpt, self.plan, start, stop, block_rows):
             yield values, self.global_scale if scale is None else scale
 
@@ -123,58 +137,60 @@ def _amax(src: _TableSource, block_rows: int) -> torch.Tensor:
     return amax
 
 
-def table_entries(src: _TableSource, prefix: str, parts: int, target, block_bytes: int) -> list[Entry]:
+def table_entries(src: _TableSource, prefix: str, parts: int, target: TableDtype, block_bytes: int) -> list[Entry]:
     """Entries of the table of one layer in ``parts`` shards (0: whole) and ``target`` dtype / scheme."""
     rows, D = src.num_rows, src.dim
-    target = parse_table_dtype(target)
-    if target is None:
-        target = src.scheme or src.dtype
-    out_dtype = target.dtype if isinstance(target, Scheme) else target
+    kind = parse_table_dtype(target)
+    if kind is None:
+        kind = src.scheme or src.dtype
+    out_dtype = kind.dtype if isinstance(kind, Scheme) else kind
     block_rows = max(1, block_bytes // max(D * 4, 1))          # blocks pass through float32
     ranges = [(0, rows)] if parts == 0 else shard_rows(rows, parts)
     names = [TABLE] if parts == 0 else [SHARD.format(k=k) for k in range(parts)]
-    same = src.scheme is not None and target is src.scheme
-    fp8 = isinstance(target, Scheme) and not target.per_row
-    int8 = isinstance(target, Scheme) and target.per_row
+    same = src.scheme is not None and kind is src.scheme
+    fp8 = isinstance(kind, Scheme) and not kind.per_row
+    int8 = isinstance(kind, Scheme) and kind.per_row
     scale = None
     if fp8:
         scale = src.global_scale if same else fp8_scale(_amax(src, block_rows))
 
-    def values(a, b):
+    def values(a: int, b: int) -> Iterator[torch.Tensor]:
         for v, s in src.blocks(a, b, block_rows):
             if same:
                 yield v
-            elif isinstance(target, Scheme):
+            elif isinstance(kind, Scheme):
                 x = v.float() if s is None else dequantize(v, s, torch.float32)
-                yield quantize(x, target, scale=scale)[0]
+                yield quantize(x, kind, scale=scale)[0]
             else:
-                yield v.to(target) if s is None else dequantize(v, s, target)
+                yield v.to(kind) if s is None else dequantize(v, s, kind)
 
-    def row_scales(a, b):
+    def row_scales(a: int, b: int) -> Iterator[torch.Tensor]:      # int8 targets only
         for v, s in src.blocks(a, b, block_rows):
             if same:
-                yield s
+                yield cast(torch.Tensor, s)                           # an int8 source's blocks have scales
             else:
-                yield quantize(v.float() if s is None else dequantize(v, s, torch.float32), target)[1]
+                yield quantize(v.float() if s is None else dequantize(v, s, torch.float32), cast(Scheme, kind))[1]
 
     entries = []
     for k, (name, (a, b)) in enumerate(zip(names, ranges, strict=True)):
-        entries.append(Entry(prefix + name, out_dtype, (b - a, D), lambda a=a, b=b: values(a, b)))
+        entries.append(Entry(prefix + name, out_dtype, (b - a, D), functools.partial(values, a, b)))
         if int8:
             scale_name = TABLE_SCALE if parts == 0 else SHARD_SCALE.format(k=k)
             entries.append(Entry(prefix + scale_name, torch.float32, (b - a, 1),
-                                 lambda a=a, b=b: row_scales(a, b)))
+                                 functools.partial(row_scales, a, b)))
     if fp8:
-        entries.append(Entry(prefix + TABLE_SCALE, torch.float32, (1,), lambda s=scale: iter([s.reshape(1)])))
+        fp8_scale_ = cast(torch.Tensor, scale)                   # an fp8 table has its per-tensor scale
+        entries.append(Entry(prefix + TABLE_SCALE, torch.float32, (1,), lambda: iter([fp8_scale_.reshape(1)])))
     return entries
 
 
 def tensor_entry(key: str, t: torch.Tensor) -> Entry:
     t = t.detach().cpu().contiguous()
-    return Entry(key, t.dtype, tuple(t.shape), lambda t=t: iter([t]))
+    return Entry(key, t.dtype, tuple(t.shape), lambda: iter([t]))
 
 
-def _layer_entries(layer, prefix: str, *, parts: int, merged_kv: bool, table_dtype, block_bytes: int):
+def _layer_entries(layer: PLELayer, prefix: str, *, parts: int, merged_kv: bool, table_dtype: TableDtype,
+                   block_bytes: int) -> list[Entry]:
     e = layer.ple_embedding
     out = table_entries(_MemoryTable(e.ngram_embedding), prefix, parts, table_dtype, block_bytes)
     buffers = (e.layer_multipliers, e.ngram_heads_vocab_sizes, e.ngram_heads_offsets)
@@ -192,7 +208,7 @@ def _layer_entries(layer, prefix: str, *, parts: int, merged_kv: bool, table_dty
     return out
 
 
-def prepare_dst(path, overwrite: bool) -> tuple[Path, bool]:
+def prepare_dst(path: str | os.PathLike[str], overwrite: bool) -> tuple[Path, bool]:
     """``(path, single_file)``; refuses to mix with an existing checkpoint unless ``overwrite``."""
     path = Path(path)
     single = path.suffix == ".safetensors"
@@ -208,8 +224,8 @@ def prepare_dst(path, overwrite: bool) -> tuple[Path, bool]:
     return path, single
 
 
-def write_checkpoint(path: Path, single: bool, entries, *, metadata, max_file_bytes, config: PLEConfig | None,
-                     problems: list[str]) -> list[Path]:
+def write_checkpoint(path: Path, single: bool, entries: list[Entry], *, metadata: dict[str, str],
+                     max_file_bytes: int | None, config: PLEConfig | None, problems: list[str]) -> list[Path]:
     """Write ``entries`` to the checked destination of `prepare_dst` (with a ``config.json``, ple-only marked,
     for a directory when ``config`` is given and there is none); returns the files written."""
     if single:
@@ -225,8 +241,9 @@ def write_checkpoint(path: Path, single: bool, entries, *, metadata, max_file_by
     return files
 
 
-def save(layers, path, *, prefix: str | None = None, parts: int | None = None, merged_kv: bool = False,
-         table_dtype=None, max_file_bytes: int | None = None, block_bytes: int = BLOCK_BYTES,
+def save(layers: PLELayer | list[PLELayer] | tuple[PLELayer, ...], path: str | os.PathLike[str], *,
+         prefix: str | None = None, parts: int | None = None, merged_kv: bool = False,
+         table_dtype: TableDtype = None, max_file_bytes: int | None = None, block_bytes: int = BLOCK_BYTES,
          overwrite: bool = False, ple_only: bool = False) -> list[Path]:
     """Save one PLE layer or several (one config) in the model's layout; returns the files written.
 

@@ -20,10 +20,14 @@ import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any, cast
 
 import torch
 
 from .._progress import byte_bar
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 __all__ = ["INDEX_NAME", "ST_DTYPES", "Entry", "write_file", "write_files", "bytes_of"]
 
@@ -37,10 +41,11 @@ ST_DTYPES: dict[str, torch.dtype] = {
 _ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 
 
-def bytes_of(t: torch.Tensor):
+def bytes_of(t: torch.Tensor) -> Buffer:
     """The bytes of the contiguous CPU tensor ``t`` as a buffer sharing its memory (any dtype: bfloat16 and
     FP8 included, which numpy has not, go through a uint8 view)."""
-    return t.reshape(-1).view(torch.uint8).numpy()
+    # A uint8 ndarray; numpy's stubs declare its buffer protocol for Python >= 3.12 only.
+    return cast("Buffer", t.reshape(-1).view(torch.uint8).numpy())
 
 
 # ---- writing -----------------------------------------------------------------------------------
@@ -65,7 +70,7 @@ class Entry:
         return n
 
 
-def _write_tensor(fh, t: torch.Tensor) -> int:
+def _write_tensor(fh: IO[bytes], t: torch.Tensor) -> int:
     t = t.detach().to("cpu").contiguous()
     n = t.numel() * t.element_size()
     if n:
@@ -73,14 +78,14 @@ def _write_tensor(fh, t: torch.Tensor) -> int:
     return n
 
 
-def write_file(path, entries: list[Entry], metadata: dict[str, str] | None = None) -> None:
+def write_file(path: str | os.PathLike[str], entries: list[Entry], metadata: dict[str, str] | None = None) -> None:
     """Write ``entries`` as one safetensors file, streaming each tensor block by block.
 
     The file is written to ``path + ".tmp"`` and renamed when complete, so an
     interrupted write never leaves a readable half file at ``path``.
     """
     path = Path(path)
-    header: dict = {}
+    header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     offset = 0
@@ -117,7 +122,7 @@ def write_file(path, entries: list[Entry], metadata: dict[str, str] | None = Non
     os.replace(tmp, path)
 
 
-def write_files(directory, entries: list[Entry], *, max_file_bytes: int | None = None,
+def write_files(directory: str | os.PathLike[str], entries: list[Entry], *, max_file_bytes: int | None = None,
                 metadata: dict[str, str] | None = None, stem: str = "model") -> list[Path]:
     """Write ``entries`` into ``directory``: one ``model.safetensors``, or
     ``model-0000i-of-0000n.safetensors`` files of at most ``max_file_bytes`` each (a larger

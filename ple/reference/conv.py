@@ -25,6 +25,8 @@ computed in ``acc_dtype`` and rounded, and each residual add is rounded.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 
@@ -109,9 +111,10 @@ def ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Ten
     slots = state_indices.tolist()
     R = len(slots)
     rows = list(range(inputs.shape[0])) if token_indices is None else token_indices.tolist()   # logical -> physical
-    starts = list(range(R + 1)) if mode == "decode" else query_start_loc.tolist()
+    # query_start_loc (prefill, spec) and num_accepted_tokens (spec) are required there: checked above.
+    starts = list(range(R + 1)) if mode == "decode" else cast(torch.Tensor, query_start_loc).tolist()
     if mode == "spec":                 # SPEC 6: the history starts at column num_accepted - 1, always read
-        first_col, reads = [a - 1 for a in num_accepted_tokens.tolist()], [True] * R
+        first_col, reads = [a - 1 for a in cast(torch.Tensor, num_accepted_tokens).tolist()], [True] * R
     else:                              # SPEC 6: columns [0, S), or zeros; decode defaults to reading them
         first_col = [0] * R
         reads = [mode == "decode"] * R if has_initial_states is None else [bool(f) for f in has_initial_states.tolist()]

@@ -7,6 +7,9 @@ so that the table's gradient is sparse.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -57,7 +60,8 @@ class _SparseGradLookup(torch.autograd.Function):
     """Forward: any lookup op; backward: the table gradient as a sparse COO tensor of the looked-up rows."""
 
     @staticmethod
-    def forward(ctx, weight, ids, lookup):
+    def forward(ctx: Any, weight: torch.Tensor, ids: torch.Tensor,
+                lookup: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         detached = weight.detach() if isinstance(weight, torch.Tensor) else weight
         out = lookup(detached, ids)                 # validates the call
         ctx.save_for_backward(ids)
@@ -65,7 +69,7 @@ class _SparseGradLookup(torch.autograd.Function):
         return out
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         (ids,) = ctx.saved_tensors
         T, NH = ids.shape                       # tokens, hash heads
         rows, D = ctx.table_shape
@@ -74,7 +78,9 @@ class _SparseGradLookup(torch.autograd.Function):
         return torch.sparse_coo_tensor(indices, values, (rows, D)), None, None
 
 
-def embedding_lookup_sparse_grad(weight: torch.Tensor, ids: torch.Tensor, lookup=embedding_lookup) -> torch.Tensor:
+def embedding_lookup_sparse_grad(weight: torch.Tensor, ids: torch.Tensor,
+                                 lookup: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = embedding_lookup
+                                 ) -> torch.Tensor:
     """``lookup(weight, ids)`` whose table gradient is sparse: only the T * NH rows looked up.
 
     For very large tables (the real model's has 320M rows): the dense gradient would be as

@@ -63,7 +63,7 @@ def _is_prime(n: int) -> bool:
 @functools.lru_cache(maxsize=64)
 def primes_from(start: int, count: int) -> tuple[int, ...]:
     """The first ``count`` primes ``>= start``, in increasing order."""
-    out = []
+    out: list[int] = []
     n = start
     while len(out) < count:
         if _is_prime(n):

@@ -9,6 +9,8 @@ against the requests' conv states (a serving prefill) -> ``out = (gated + y) + h
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 
 from .. import _checks
@@ -69,9 +71,10 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
                                 validate=False)
         return (gated + y) + hidden_states          # SPEC 5: the layer's term rounded, then the residual add
     out = gated.clone()                             # ple_conv adds into it: (gated + y) + hidden_states
-    ple_conv(conv_input, out, conv_state, conv_weights, state_indices, mode="prefill", dilation=dilation,
-             query_start_loc=query_start_loc, has_initial_states=has_initial_states, token_indices=token_indices,
-             outer_residual=hidden_states, null_slot=null_slot, validate=False)
+    # state_indices comes with conv_state (checked above).
+    ple_conv(conv_input, out, conv_state, conv_weights, cast(torch.Tensor, state_indices), mode="prefill",
+             dilation=dilation, query_start_loc=query_start_loc, has_initial_states=has_initial_states,
+             token_indices=token_indices, outer_residual=hidden_states, null_slot=null_slot, validate=False)
     if token_indices is not None:
         covered = torch.zeros(key.shape[0], dtype=torch.bool, device=key.device)
         covered[token_indices.to(torch.int64)] = True

@@ -17,11 +17,16 @@ any batch of up to ``N`` requests.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .items import Spec
+from .items import Decode, Prefill, Spec
+
+if TYPE_CHECKING:
+    from .cache import PLECache
 
 __all__ = ["StepBatch", "StepHost", "build_plan"]
 
@@ -30,21 +35,21 @@ __all__ = ["StepBatch", "StepHost", "build_plan"]
 class StepHost:
     """The host twins of a plan's index tensors, as lists of Python ints (same names)."""
 
-    input_ids: list
-    query_start_loc: list
-    ngram_context: list                  # [R][N-1]
-    spec_token_indices: list
-    spec_query_start_loc: list
-    spec_state_indices: list
-    num_accepted_tokens: list
-    non_spec_token_indices: list
-    state_indices: list
-    has_initial_states_d: list
-    has_initial_states_p: list
-    query_start_loc_p: list
-    non_spec_query_start_loc: list
-    checkpoint_offsets: list
-    checkpoint_slots: list
+    input_ids: list[int]
+    query_start_loc: list[int]
+    ngram_context: list[list[int]]       # [R][N-1]
+    spec_token_indices: list[int]
+    spec_query_start_loc: list[int]
+    spec_state_indices: list[int]
+    num_accepted_tokens: list[int]
+    non_spec_token_indices: list[int]
+    state_indices: list[int]
+    has_initial_states_d: list[int]
+    has_initial_states_p: list[int]
+    query_start_loc_p: list[int]
+    non_spec_query_start_loc: list[int]
+    checkpoint_offsets: list[int]
+    checkpoint_slots: list[int]
 
 
 _FIELDS = tuple(StepHost.__dataclass_fields__)
@@ -86,17 +91,17 @@ class StepBatch:
     checkpoint_slots: torch.Tensor       # [R_p]
     has_checkpoints: bool
     # non-spec requests whose window must move to columns [0, S) first: (slot, column offset)
-    realign: list
+    realign: list[tuple[int, int]]
     host: StepHost                       # the index tensors' values as Python ints
-    items: list                          # the scheduled items and their tokens, for the bookkeeping
-    tokens_host: list
+    items: list[Prefill | Decode | Spec]  # the scheduled items and their tokens, for the bookkeeping
+    tokens_host: list[list[int]]
     version: int                         # the cache's version when scheduled (SPEC section 7)
     owner: object = None                 # the identity of the cache that scheduled it
-    slot_generations: dict = field(default_factory=dict)   # slot -> its generation when scheduled
+    slot_generations: dict[int, int] = field(default_factory=dict)   # slot -> its generation when scheduled
     pad_to: int | None = None            # padded to this many requests (a persistent buffer)
-    pad_key: tuple | None = None         # that buffer's key in the cache
+    pad_key: tuple[int, bool, int] | None = None   # that buffer's key in the cache
     buffer_generation: int = 0           # which use of that buffer this plan is
-    layers_done: set = field(default_factory=set)
+    layers_done: set[int] = field(default_factory=set)
     _upload: object = None               # keeps the pinned host buffer alive during its copy
 
     def __repr__(self) -> str:
@@ -106,19 +111,21 @@ class StepBatch:
         return f"StepBatch({what or 'no items'}; {self.num_tokens} rows{pad}; cache version {self.version})"
 
 
-def _cumsum(lengths) -> list:
+def _cumsum(lengths: Iterable[int]) -> list[int]:
     out = [0]
     for n in lengths:
         out.append(out[-1] + n)
     return out
 
 
-def host_layout(cache, parsed, pad_to: int | None) -> tuple[StepHost, dict]:
+def host_layout(cache: PLECache, parsed: list[tuple[Prefill | Decode | Spec, list[int]]],
+                pad_to: int | None) -> tuple[StepHost, dict[str, Any]]:
     """The host twins of a step's metadata and the plan's scalar fields."""
     null, eos = cache.null_slot, cache.config.eos_token_id
     N1 = cache.config.context_len
     slots = cache._slots
-    rows = [(item, list(t), list(slots[item.slot].context)) for item, t in parsed]
+    rows: list[tuple[Any, list[int], list[int]]] = [(item, list(t), list(slots[item.slot].context))
+                                                    for item, t in parsed]     # (item or None, tokens, context)
     # Padding rows (item None) are null-slot requests of the batch's own shape: decodes, or full spec steps.
     pad_kind = "Spec" if any(isinstance(item, Spec) for item, _ in parsed) else "Decode"
     if pad_to is not None:
@@ -126,16 +133,16 @@ def host_layout(cache, parsed, pad_to: int | None) -> tuple[StepHost, dict]:
         rows += [(None, [eos] * q, [eos] * N1)] * (pad_to - len(rows))
     starts = _cumsum(len(t) for _, t, _ in rows)
 
-    def group(name):
+    def group(name: str) -> list[tuple[int, Any, list[int]]]:       # (row, item of that kind or None, tokens)
         return [(r, item, t) for r, (item, t, _) in enumerate(rows)
                 if (pad_kind if item is None else type(item).__name__) == name]
 
     spec, dec, pre = group("Spec"), group("Decode"), group("Prefill")
 
-    def rows_of(g):
+    def rows_of(g: list[tuple[int, Any, list[int]]]) -> list[int]:
         return [i for r, _, t in g for i in range(starts[r], starts[r] + len(t))]
 
-    def slot_of(item):
+    def slot_of(item: Any) -> int:
         return null if item is None else item.slot
 
     host = StepHost(
@@ -166,7 +173,8 @@ def host_layout(cache, parsed, pad_to: int | None) -> tuple[StepHost, dict]:
     return host, scalars
 
 
-def build_plan(cache, parsed, pad_to: int | None = None) -> StepBatch:
+def build_plan(cache: PLECache, parsed: list[tuple[Prefill | Decode | Spec, list[int]]],
+               pad_to: int | None = None) -> StepBatch:
     """Lay out and upload the plan of one step (``parsed``: validated ``(item, tokens)`` pairs)."""
     host, scalars = host_layout(cache, parsed, pad_to)
     values = {name: getattr(host, name) for name in _FIELDS}
@@ -178,6 +186,7 @@ def build_plan(cache, parsed, pad_to: int | None = None) -> StepBatch:
     if dev.type == "cuda":
         staged = staged.pin_memory()
     generation, key = 0, None
+    buffer: torch.Tensor | None
     if pad_to is None:
         buffer = staged.to(dev, non_blocking=True)
     else:                                        # the same device tensor for every plan of this size
@@ -187,7 +196,8 @@ def build_plan(cache, parsed, pad_to: int | None = None) -> StepBatch:
             buffer = cache._pad_buffers[key] = torch.empty(len(flat), dtype=torch.int64, device=dev)
         buffer.copy_(staged, non_blocking=True)
         generation = cache._pad_generations[key] = cache._pad_generations.get(key, 0) + 1
-    views, at = {}, 0
+    views: dict[str, Any] = {}           # the index tensors, by StepBatch field
+    at = 0
     for name, n in zip(_FIELDS, sizes):
         views[name] = buffer[at:at + n]
         at += n

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -33,6 +34,11 @@ from .batch import StepBatch, build_plan
 from .items import Decode, Prefill, Spec, as_token_list
 from .persist import load_cache, save_cache
 from .step import layer_step
+
+if TYPE_CHECKING:
+    from torch.types import Device
+
+    from ..layer import PLELayer
 
 __all__ = ["PLECache", "StepBatch", "LAYOUTS"]
 
@@ -46,11 +52,11 @@ class _Slot:
     active: bool = False
     started: bool = False                # has any token been appended (by a prefill)?
     length: int = 0                      # accepted tokens so far
-    context: list = field(default_factory=list)   # the last N-1 accepted tokens, oldest first
+    context: list[int] = field(default_factory=list)   # the last N-1 accepted tokens, oldest first
     num_accepted: int = 1                # the window the next step reads: columns [n-1, n-1+S)
-    spec_tokens: list | None = None      # tokens of the last step if it was a spec step
-    spec_context: list | None = None     # the context before that spec step
-    realigned: list = field(default_factory=list)  # PLE layers whose window was already moved to [0, S)
+    spec_tokens: list[int] | None = None   # tokens of the last step if it was a spec step
+    spec_context: list[int] | None = None  # the context before that spec step
+    realigned: list[int] = field(default_factory=list)  # PLE layers whose window was already moved to [0, S)
 
 
 class PLECache:
@@ -67,8 +73,8 @@ class PLECache:
     """
 
     def __init__(self, config: PLEConfig, num_slots: int, *, num_spec_tokens: int = 0,
-                 num_layers: int | None = None, dtype: torch.dtype | None = None, device=None,
-                 layout: str = "channels_last"):
+                 num_layers: int | None = None, dtype: torch.dtype | None = None, device: Device = None,
+                 layout: str = "channels_last") -> None:
         if not isinstance(config, PLEConfig):
             raise TypeError(f"config: expected a PLEConfig, got {type(config).__name__}")
         _checks.int_arg("num_slots", num_slots, minimum=2)
@@ -102,8 +108,8 @@ class PLECache:
         self._version = 0                    # bumped by every change a batch depends on
         self._generations = [0] * num_slots  # per slot: bumped by allocate, free, accept, fork
         self._last_change = "nothing"
-        self._pad_buffers: dict = {}         # pad_to shape -> the persistent metadata buffer
-        self._pad_generations: dict = {}     # ... and how many plans have used it
+        self._pad_buffers: dict[tuple[int, bool, int], torch.Tensor] = {}   # pad_to shape -> its metadata buffer
+        self._pad_generations: dict[tuple[int, bool, int], int] = {}        # ... and how many plans have used it
         self._in_flight: StepBatch | None = None
 
     def __repr__(self) -> str:
@@ -203,7 +209,7 @@ class PLECache:
             raise ValueError(f"n: expected 1..{q} (the tokens of slot {slot}'s last spec step), got {n}")
         s.length += n - s.num_accepted
         s.num_accepted = n
-        s.context = self._roll(s.spec_context, s.spec_tokens[:n])
+        s.context = self._roll(cast(list, s.spec_context), s.spec_tokens[:n])   # set with spec_tokens
         self._changed(slot, f"slot {slot} accepted {n} token(s)")
 
     def _changed(self, slot: int | None, what: str) -> None:
@@ -217,7 +223,7 @@ class PLECache:
         self.conv_states[:, slot].zero_()
         self._slots[slot] = _Slot(context=[self.config.eos_token_id] * self.config.context_len)
 
-    def _live(self, slot, name: str) -> _Slot:
+    def _live(self, slot: object, name: str) -> _Slot:
         if isinstance(slot, bool) or not isinstance(slot, int):
             raise TypeError(f"{name}: expected an int slot, got {type(slot).__name__}")
         if slot == self.null_slot:
@@ -234,12 +240,13 @@ class PLECache:
             raise RuntimeError(f"{what}: a step is in flight ({done} of {total} PLE layers have run); "
                                f"run the remaining layers first")
 
-    def _roll(self, context: list, tokens: list) -> list:
+    def _roll(self, context: list[int], tokens: list[int]) -> list[int]:
         n = self.config.context_len
         return (list(context) + list(tokens))[-n:]
 
     # ---- scheduling ----------------------------------------------------------------------------
-    def schedule(self, items, *, pad_to: int | None = None) -> StepBatch:
+    def schedule(self, items: list[Prefill | Decode | Spec] | tuple[Prefill | Decode | Spec, ...], *,
+                 pad_to: int | None = None) -> StepBatch:
         """The plan (`StepBatch`) of one step from ``Prefill``/``Decode``/``Spec`` items, in row order.
 
         Everything is validated here, on the host, where the items already are: a freed or
@@ -262,7 +269,7 @@ class PLECache:
         V = self.config.vocab_size
         S = self.state_len
         seen: set[int] = set()
-        parsed = []
+        parsed: list[tuple[Prefill | Decode | Spec, list[int]]] = []
         for i, item in enumerate(items):
             where = f"items[{i}]"
             if not isinstance(item, (Prefill, Decode, Spec)):
@@ -305,7 +312,7 @@ class PLECache:
             self._check_padding(parsed, pad_to)
         return build_plan(self, parsed, pad_to)
 
-    def _check_padding(self, parsed, pad_to) -> None:
+    def _check_padding(self, parsed: list[tuple[Prefill | Decode | Spec, list[int]]], pad_to: int) -> None:
         _checks.int_arg("pad_to", pad_to, minimum=1)
         kinds = {type(item).__name__ for item, _ in parsed}
         q = self.num_spec_tokens + 1
@@ -317,7 +324,7 @@ class PLECache:
             raise ValueError(f"pad_to: the batch has {len(parsed)} requests, more than pad_to={pad_to}")
 
     # ---- called by PLELayer.step ---------------------------------------------------------------
-    def run_layer_step(self, layer, hidden_states: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+    def run_layer_step(self, layer: PLELayer, hidden_states: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """``layer.step(hidden_states, batch, self)``: the layer hands its step to the cache it runs on (the
         layer module sits below ``ple.state`` and does not import it); see ``ple.state.step``."""
         return layer_step(layer, hidden_states, batch, self)
@@ -377,7 +384,7 @@ class PLECache:
                 s.length += len(tokens)
                 continue
             if isinstance(item, Prefill) and item.checkpoint_at:
-                c = self._slots[item.checkpoint_slot]
+                c = self._slots[cast(int, item.checkpoint_slot)]     # given with checkpoint_at
                 c.started, c.length = True, s.length + item.checkpoint_at
                 c.context = self._roll(s.context, tokens[: item.checkpoint_at])
                 c.num_accepted, c.spec_tokens, c.spec_context = 1, None, None
@@ -391,11 +398,11 @@ class PLECache:
     SLOT_FIELDS = tuple(f.name for f in fields(_Slot))
     """The fields of one slot's host bookkeeping, in order (the entries of `slot_table`)."""
 
-    def slot_table(self) -> list[dict]:
+    def slot_table(self) -> list[dict[str, Any]]:
         """Every slot's host bookkeeping as plain dicts of `SLOT_FIELDS` (copies), for ``ple.state.persist``."""
         return [asdict(s) for s in self._slots]
 
-    def restore_slot_table(self, table: list[dict]) -> None:
+    def restore_slot_table(self, table: list[dict[str, Any]]) -> None:
         """Replace every slot's bookkeeping by ``table`` (entries as `slot_table` gives them, one per slot; the
         caller checks their values, as ``ple.state.persist.load_cache`` does)."""
         if len(table) != self.num_slots or any(set(s) != set(self.SLOT_FIELDS) for s in table):
@@ -408,7 +415,7 @@ class PLECache:
         save_cache(self, path)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, *, device=None) -> PLECache:
+    def load(cls, path: str | os.PathLike, *, device: Device = None) -> PLECache:
         """Read a cache written by `save`; the same states (bit for bit), contexts and slot table.
 
         Every part of the file is checked first: a damaged, truncated, empty or edited file

@@ -20,12 +20,17 @@ those of ``layer.step`` on the same plan, bit for bit (the same ops, in the same
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 
+from .batch import StepBatch
 from .cache import PLECache
 from .step import begin_step, compute_step
+
+if TYPE_CHECKING:
+    from ..layer import PLELayer
 
 __all__ = ["DecodeStep"]
 
@@ -38,7 +43,7 @@ class DecodeStep(nn.Module):
     ``conv_states`` tensor (`inputs_of` passes it), updated in place. Inference only.
     """
 
-    def __init__(self, layer, cache: PLECache, num_requests: int):
+    def __init__(self, layer: PLELayer, cache: PLECache, num_requests: int) -> None:
         super().__init__()
         if not isinstance(cache, PLECache):
             raise TypeError(f"cache: expected a PLECache, got {type(cache).__name__}")
@@ -47,23 +52,27 @@ class DecodeStep(nn.Module):
         self._cache = cache
         self._layout = cache.layout
 
-    def _cache_view(self, conv_states: torch.Tensor):
+    def _cache_view(self, conv_states: torch.Tensor) -> SimpleNamespace:
         cache, index = self._cache, self.layer.ple_layer_index
         state = conv_states[index]
         view = state if self._layout == "channels_first" else state.transpose(1, 2)
         return SimpleNamespace(config=cache.config, null_slot=cache.null_slot, conv_state=lambda _i: view)
 
     @torch.no_grad()
-    def forward(self, hidden_states, input_ids, ngram_context, state_indices, has_initial_states, conv_states):
+    def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor, ngram_context: torch.Tensor,
+                state_indices: torch.Tensor, has_initial_states: torch.Tensor,
+                conv_states: torch.Tensor) -> torch.Tensor:
         R = self.num_requests
         rows = torch.arange(R, device=hidden_states.device)
         batch = SimpleNamespace(input_ids=input_ids, query_start_loc=torch.arange(R + 1, device=rows.device),
                                 ngram_context=ngram_context, num_spec_decodes=0, num_decodes=R, num_decode_tokens=R,
                                 num_prefills=0, has_checkpoints=False, state_indices=state_indices,
                                 has_initial_states_d=has_initial_states, non_spec_token_indices=rows)
-        return compute_step(self.layer, hidden_states, batch, self._cache_view(conv_states))
+        # Namespaces with the fields compute_step reads of a decode-only plan and of the cache.
+        return compute_step(self.layer, hidden_states, cast(StepBatch, batch),
+                            cast(PLECache, self._cache_view(conv_states)))
 
-    def inputs_of(self, hidden_states: torch.Tensor, batch) -> tuple:
+    def inputs_of(self, hidden_states: torch.Tensor, batch: StepBatch) -> tuple[torch.Tensor, ...]:
         """The program's inputs for ``hidden_states`` and a decode-only ``batch`` of this cache, checked as
         ``layer.step`` checks them (on the host; a spec -> decode window realignment is done here)."""
         if batch.num_decodes != self.num_requests or batch.num_prefills or batch.num_spec_decodes:
@@ -72,7 +81,7 @@ class DecodeStep(nn.Module):
         return (hidden_states, batch.input_ids, batch.ngram_context, batch.state_indices[:self.num_requests],
                 batch.has_initial_states_d, self._cache.conv_states)
 
-    def example_inputs(self) -> tuple:
+    def example_inputs(self) -> tuple[torch.Tensor, ...]:
         """Inputs of the right shapes and dtypes for ``torch.export.export`` (``num_requests`` fresh decodes
         on slot-0-free slots; the values do not matter for tracing)."""
         cache, R = self._cache, self.num_requests

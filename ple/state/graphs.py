@@ -19,10 +19,16 @@ Needs CUDA and the Triton backend (or any backend whose ops make no host syncs).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .batch import StepBatch
 from .step import begin_step, compute_step
+
+if TYPE_CHECKING:
+    from ..layer import PLELayer
+    from .cache import PLECache
 
 __all__ = ["GraphedStep"]
 
@@ -30,10 +36,11 @@ __all__ = ["GraphedStep"]
 class GraphedStep:
     """``layer.step`` for padded decode / spec plans of one cache, replayed from CUDA graphs."""
 
-    def __init__(self, layer, cache):
+    def __init__(self, layer: PLELayer, cache: PLECache) -> None:
         self.layer, self.cache = layer, cache
-        self._graphs: dict = {}              # pad_key -> (graph, static hidden, static output)
-        self._seen: set = set()              # shapes already run eagerly once
+        # pad_key -> (graph, static hidden, static output)
+        self._graphs: dict[tuple[int, bool, int], tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        self._seen: set[tuple[int, bool, int]] = set()              # shapes already run eagerly once
 
     @torch.no_grad()
     def __call__(self, hidden_states: torch.Tensor, batch: StepBatch) -> torch.Tensor:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 __all__ = ["Prefill", "Decode", "Spec", "as_token_list"]
 
 
-def as_token_list(name: str, tokens) -> list[int]:
+def as_token_list(name: str, tokens: Any) -> list[int]:
     """Tokens as a list of Python ints: an int, a list of ints (numpy integers too), or a 0-D / 1-D
     integer tensor or numpy array. A 2-D ``[1, L]`` batch row is a ``ValueError`` (pass ``row[0]``), and so
     is a tensor on the meta device (it has no values to read)."""

@@ -15,17 +15,23 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..config import PLEConfig
+
+if TYPE_CHECKING:
+    from torch.types import Device
+
+    from .cache import PLECache
 
 __all__ = ["save_cache", "load_cache", "FORMAT"]
 
 FORMAT = "ple.PLECache/1"
 
 
-def save_cache(cache, path: str | os.PathLike) -> None:
+def save_cache(cache: PLECache, path: str | os.PathLike) -> None:
     from safetensors.torch import save_file
 
     table = cache.slot_table()
@@ -35,7 +41,7 @@ def save_cache(cache, path: str | os.PathLike) -> None:
               str(path), metadata={"ple": json.dumps(meta)})
 
 
-def _read(path) -> tuple[dict, torch.Tensor, torch.Tensor]:
+def _read(path: str | os.PathLike) -> tuple[dict[str, Any], torch.Tensor, torch.Tensor]:
     """``(metadata record, conv_states, contexts)`` of the file, or a ValueError naming ``path``."""
     from safetensors import safe_open
 
@@ -66,15 +72,15 @@ def _read(path) -> tuple[dict, torch.Tensor, torch.Tensor]:
     return meta, states, contexts
 
 
-def _int(value) -> bool:
+def _int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _tokens(value, n_max, vocab) -> bool:
+def _tokens(value: object, n_max: int, vocab: int) -> bool:
     return isinstance(value, list) and len(value) <= n_max and all(_int(t) and 0 <= t < vocab for t in value)
 
 
-def _check_slots(path, meta, cache) -> list[dict]:
+def _check_slots(path: str | os.PathLike, meta: dict[str, Any], cache: PLECache) -> list[dict[str, Any]]:
     """The slot table of the record, each entry checked against the cache it is loaded into."""
     slots = meta.get("slots")
     n = cache.num_slots
@@ -101,7 +107,7 @@ def _check_slots(path, meta, cache) -> list[dict]:
     return slots
 
 
-def load_cache(cls, path: str | os.PathLike, *, device=None):
+def load_cache(cls: type[PLECache], path: str | os.PathLike, *, device: Device = None) -> PLECache:
     """Read a cache written by `save_cache` (see the module docstring)."""
     meta, states, contexts = _read(path)
     try:

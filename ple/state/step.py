@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -10,6 +10,11 @@ from .. import _checks
 from .batch import StepBatch
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
+    from ..backends import CustomOps
+    from ..config import PLEConfig
+    from ..layer import PLELayer
     from .cache import PLECache
 
 __all__ = ["layer_step", "begin_step", "compute_step", "step_conv", "uses_fused_prefill", "check_same_config",
@@ -21,7 +26,7 @@ STEP_FIELDS = ("vocab_size", "hidden_size", "hc_count", "eos_token_id", "ngram_s
 """The config fields a step's cache depends on: token range, widths, the EOS rule, contexts and states."""
 
 
-def check_same_config(layer_config, cache_config) -> None:
+def check_same_config(layer_config: PLEConfig, cache_config: PLEConfig) -> None:
     """``ValueError`` naming ``layer`` if its config differs from the cache's in a field the step uses."""
     diff = [f"{f} ({getattr(layer_config, f)!r} vs the cache's {getattr(cache_config, f)!r})"
             for f in STEP_FIELDS if getattr(layer_config, f) != getattr(cache_config, f)]
@@ -30,7 +35,7 @@ def check_same_config(layer_config, cache_config) -> None:
 
 
 @torch.no_grad()
-def layer_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLECache) -> torch.Tensor:
+def layer_step(layer: PLELayer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLECache) -> torch.Tensor:
     """Run ``layer`` on the ``[T, C]`` rows of ``batch``; conv states of ``cache`` updated in place.
 
     The n-gram ids come from the batch's contexts; the gate runs once over all rows;
@@ -49,7 +54,7 @@ def layer_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLEC
     return out
 
 
-def begin_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLECache) -> None:
+def begin_step(layer: PLELayer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLECache) -> None:
     """Everything a step checks, on the host (metadata only), then the realignment of its windows."""
     if not callable(getattr(cache, "begin_layer", None)):              # a PLECache (this module cannot import it)
         raise TypeError(f"cache: expected a PLECache, got {type(cache).__name__}")
@@ -64,7 +69,7 @@ def begin_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLEC
     cache.realign_windows(batch, index, cache.conv_state(index))
 
 
-def compute_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLECache) -> torch.Tensor:
+def compute_step(layer: PLELayer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLECache) -> torch.Tensor:
     """The step's tensor work, ``[T, C] -> [T, C]``: the ops run with ``validate=False`` (the plan was
     validated on the host by ``cache.schedule``), so no tensor becomes a Python value. The same ops in
     the same order on every backend: the rows' embeddings (``layer.hashed_rows``), the projections,
@@ -95,15 +100,16 @@ def uses_fused_prefill(batch: StepBatch) -> bool:
     return not batch.num_spec_decodes and not batch.num_decodes and not batch.has_checkpoints
 
 
-def step_conv(ops, conv_input: torch.Tensor, residual: torch.Tensor, state: torch.Tensor, weights: torch.Tensor,
-              batch: StepBatch, cache: PLECache, *, outer_residual: torch.Tensor | None = None) -> None:
+def step_conv(ops: ModuleType | CustomOps, conv_input: torch.Tensor, residual: torch.Tensor, state: torch.Tensor,
+              weights: torch.Tensor, batch: StepBatch, cache: PLECache, *,
+              outer_residual: torch.Tensor | None = None) -> None:
     """The conv calls of one step, as a serving engine makes them, all through ``token_indices``.
 
     One ``ple_conv`` for the spec rows, one for the decodes, one for the prefills (then
     their prefix-cache checkpoints); ``residual += y (+ outer_residual)`` in place.
     """
     cfg = cache.config
-    common = dict(dilation=cfg.conv_dilation, outer_residual=outer_residual, null_slot=cache.null_slot,
+    common: dict[str, Any] = dict(dilation=cfg.conv_dilation, outer_residual=outer_residual, null_slot=cache.null_slot,
                   validate=False)                              # the plan was validated by cache.schedule
     if batch.num_spec_decodes:
         ops.ple_conv(conv_input, residual, state, weights, batch.spec_state_indices, mode="spec",

@@ -14,12 +14,14 @@ every equivalence test uses; ``ple.testing.strategies`` holds Hypothesis strateg
 varlen batches and serving schedules; ``ple.testing.serving`` the replay.
 """
 
+from typing import Any
+
 __all__ = ["check_ngram_ids", "check_embedding_lookup", "check_ngram_embedding", "check_ple_gate", "check_ple_conv",
            "check_export_conv_checkpoints", "check_dilated_causal_conv", "check_ple_prefill", "check_layer",
            "poisoned_empty"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     """The kit loads on first use: it needs Hypothesis (``pip install -e '.[dev]'``), ``import ple`` does not."""
     if name in __all__:
         from . import kit

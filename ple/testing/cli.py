@@ -19,6 +19,8 @@ import inspect
 import pathlib
 import sys
 import time
+from collections.abc import Callable
+from typing import IO, Any
 
 __all__ = ["register", "run_checks", "load_object"]
 
@@ -30,7 +32,7 @@ class UsageError(Exception):
     """A bad command line: printed as one ``error:`` line, exit status 2."""
 
 
-def load_object(spec: str):
+def load_object(spec: str) -> object:
     """``MODULE[:ATTR]`` -> the object. ``MODULE`` is a dotted name (the current directory is importable)
     or a ``.py`` path; ``ATTR`` a dotted attribute path."""
     module_name, _, attr = spec.partition(":")
@@ -41,6 +43,7 @@ def load_object(spec: str):
         if not path.is_file():
             raise UsageError(f"MODULE: no file {module_name}")
         loader_spec = importlib.util.spec_from_file_location(path.stem, path)
+        assert loader_spec is not None and loader_spec.loader is not None    # a .py file always has both
         module = importlib.util.module_from_spec(loader_spec)
         try:
             loader_spec.loader.exec_module(module)
@@ -55,7 +58,7 @@ def load_object(spec: str):
             raise UsageError(f"MODULE: cannot import {module_name!r} ({e})") from None
         except Exception as e:
             raise UsageError(f"MODULE: importing {module_name} failed: {type(e).__name__}: {e}") from None
-    obj = module
+    obj: object = module
     for part in filter(None, attr.split(".")):
         if not hasattr(obj, part):
             raise UsageError(f"ATTR: {module_name} has no attribute {attr!r} ({part!r} is missing)")
@@ -66,11 +69,11 @@ def load_object(spec: str):
 class _Counted:
     """Wraps an op and counts its calls (the cases a check ran)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn, self.calls = fn, 0
         functools.update_wrapper(self, fn)
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         return self.fn(*args, **kwargs)
 
@@ -78,8 +81,8 @@ class _Counted:
 def _summary(err: BaseException) -> str:
     """The first line of a failure and the line naming its case (of the first failure, where Hypothesis
     found several)."""
-    while getattr(err, "exceptions", None):          # an ExceptionGroup (Python 3.11+)
-        err = err.exceptions[0]
+    while group := getattr(err, "exceptions", None):   # an ExceptionGroup (Python 3.11+)
+        err = group[0]
     prefix = "" if isinstance(err, AssertionError) else f"{type(err).__name__}: "
     lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
     first = lines[0] if lines else type(err).__name__
@@ -87,12 +90,13 @@ def _summary(err: BaseException) -> str:
     return prefix + (first if case is None else f"{first}; {case}")
 
 
-def _options(check, opts: dict) -> dict:
+def _options(check: Callable[..., Any], opts: dict[str, Any]) -> dict[str, Any]:
     params = inspect.signature(check).parameters
     return {k: v for k, v in opts.items() if v is not None and k in params}
 
 
-def run_checks(obj, *, ops=None, max_examples=None, dtypes=None, seed=0, out=None) -> int:
+def run_checks(obj: object, *, ops: list[str] | None = None, max_examples: int | None = None,
+               dtypes: list[str] | None = None, seed: int = 0, out: IO[str] | None = None) -> int:
     """Run the kit's checks on ``obj``; print one line per op to ``out`` (default stdout); return the exit
     status (0 or 1)."""
     out = sys.stdout if out is None else out
@@ -123,13 +127,15 @@ def run_checks(obj, *, ops=None, max_examples=None, dtypes=None, seed=0, out=Non
     failed = 0
     width = max(len(n) for n in selected + ["layer"])
     for name in selected + (["layer"] if run_layer else []):
+        target: object
         if name == "layer":
             counted = {n: _Counted(getattr(obj, n)) for n in OP_NAMES}
             target = type("Ops", (), {n: staticmethod(c) for n, c in counted.items()})
             check, calls = testing.check_layer, lambda cs=counted: sum(c.calls for c in cs.values())
         else:
-            target = _Counted(getattr(obj, name))
-            check, calls = getattr(testing, f"check_{name}"), (lambda t=target: t.calls)
+            op = _Counted(getattr(obj, name))
+            target = op
+            check, calls = getattr(testing, f"check_{name}"), (lambda t=op: t.calls)
         t0 = time.perf_counter()
         try:
             check(target, **_options(check, opts))
@@ -145,7 +151,7 @@ def run_checks(obj, *, ops=None, max_examples=None, dtypes=None, seed=0, out=Non
     return 1 if failed else 0
 
 
-def _check(args) -> int:
+def _check(args: argparse.Namespace) -> int:
     try:
         ops = None if args.ops is None else [s.strip() for s in args.ops.split(",") if s.strip()]
         dtypes = None
@@ -169,7 +175,7 @@ def _check(args) -> int:
         return 2
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction[Any]) -> None:
     """Add the ``check`` subcommand to an argparse subparsers object."""
     p = sub.add_parser("check", help="check your ops against the reference (the kit, one line per op)",
                        description="Run every ple.testing.check_<op> that applies to MODULE[:ATTR] (a module, "

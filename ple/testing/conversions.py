@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -51,7 +52,7 @@ def _caller() -> str:
 
 
 @contextlib.contextmanager
-def count_host_conversions():
+def count_host_conversions() -> Iterator[Conversions]:
     """Patch the conversion methods of ``torch.Tensor`` (and ``torch.equal``) for the block; yields a
     `Conversions` that fills up as they are called."""
     seen = Conversions()
@@ -83,7 +84,8 @@ def count_host_conversions():
     try:
         for name in _METHODS:
             setattr(torch.Tensor, name, counting(name, saved[name]))
-        torch.Tensor.cpu, torch.Tensor.to, torch.equal = cpu, to, equal
+        # Patching methods for the duration of the block is the point here.
+        torch.Tensor.cpu, torch.Tensor.to, torch.equal = cpu, to, equal  # type: ignore[method-assign]
         yield seen
     finally:
         for name, fn in saved.items():

@@ -11,7 +11,7 @@ tensors, views included. The bits are the op's own: a copy changes none.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from types import SimpleNamespace
 from typing import Any
 
@@ -36,7 +36,7 @@ def _back(x: Any, device: torch.device) -> Any:
     return x
 
 
-def on_device(fn: Callable, device: torch.device | str) -> Callable:
+def on_device(fn: Callable[..., Any], device: torch.device | str) -> Callable[..., Any]:
     """``fn`` run on ``device`` for arguments on any device; see the module docstring.
 
     Results come back to the device of the first tensor argument. Tensors the call mutates in place are
@@ -66,7 +66,7 @@ def on_device(fn: Callable, device: torch.device | str) -> Callable:
     return call
 
 
-def ops_on_device(ops, names, device: torch.device | str) -> SimpleNamespace:
+def ops_on_device(ops: object, names: Iterable[str], device: torch.device | str) -> SimpleNamespace:
     """A namespace of ``ops``'s ``names``, each wrapped by `on_device`; other attributes of ``ops`` (flags
     such as ``FUSED_KV_PROJECTION``) are kept."""
     space = SimpleNamespace(**{k: getattr(ops, k) for k in dir(ops) if k.isupper()})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..config import PLEConfig
@@ -11,7 +13,7 @@ __all__ = ["random_layer"]
 
 
 def random_layer(config: PLEConfig, index: int = 0, dtype: torch.dtype = torch.bfloat16, seed: int = 0,
-                 **kwargs) -> PLELayer:
+                 **kwargs: Any) -> PLELayer:
     """A `PLELayer` whose norms and conv are random too (the model starts them at zero).
 
     Projections are scaled by ``1/sqrt(E)``, norms and conv by 0.3, the table is normal(0, 1).

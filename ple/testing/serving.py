@@ -18,13 +18,19 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..state import Decode, PLECache, Prefill, Spec
 from .conversions import count_host_conversions
 from .numerics import assert_bitwise_equal
+
+if TYPE_CHECKING:
+    from ..layer import PLELayer
+    from ..state import StepBatch
 
 __all__ = ["Action", "random_script", "replay", "check_replay", "ReplayResult", "conv_inputs_of_step"]
 
@@ -33,31 +39,31 @@ __all__ = ["Action", "random_script", "replay", "check_replay", "ReplayResult", 
 class Action:
     rid: int
     kind: str                   # "prefill" | "decode" | "spec"
-    tokens: tuple
+    tokens: tuple[int, ...]
     accept: int | None = None   # spec only: tokens kept
     finish: bool = False        # free the request's slot after this step
 
 
 def random_script(rng: random.Random, *, vocab_size: int, eos_token_id: int, num_requests: int = 6,
                   max_live: int = 3, max_prompt: int = 20, max_chunk: int = 8, max_generate: int = 8,
-                  num_spec_tokens: int = 0, eos_rate: float = 0.1, append_rate: float = 0.1) -> list:
+                  num_spec_tokens: int = 0, eos_rate: float = 0.1, append_rate: float = 0.1) -> list[list[Action]]:
     """Random traffic: requests arrive, prefill in chunks, then decode or speculate, then finish.
 
     At most ``max_live`` requests are live at once; each step shuffles its items.
     With ``append_rate`` a generating request receives another prefill chunk (e.g. a
     tool result), which exercises the spec -> prefill realignment.
     """
-    def token():
+    def token() -> int:
         return eos_token_id if rng.random() < eos_rate else rng.randrange(vocab_size)
 
     pending = list(range(num_requests))
-    live: dict[int, dict] = {}
-    script = []
+    live: dict[int, dict[str, int]] = {}
+    script: list[list[Action]] = []
     while pending or live:
         while pending and len(live) < max_live and (not live or rng.random() < 0.6):
             rid = pending.pop(0)
             live[rid] = dict(prompt=rng.randint(1, max_prompt), generate=rng.randint(1, max_generate))
-        step = []
+        step: list[list[Any]] = []           # [rid, kind, tokens, accept]
         for rid, r in list(live.items()):
             if r["prompt"] > 0:
                 n = min(r["prompt"], rng.randint(1, max_chunk))
@@ -91,16 +97,18 @@ def random_script(rng: random.Random, *, vocab_size: int, eos_token_id: int, num
 class ReplayResult:
     """What `replay` saw: per request its accepted tokens, hidden rows and outputs; per step a summary."""
 
-    tokens: dict = field(default_factory=dict)        # rid -> list of accepted token ids
-    hidden: dict = field(default_factory=dict)        # rid -> list of [n, C] input rows (accepted)
-    outputs: dict = field(default_factory=dict)       # rid -> list of [n, C] output rows (accepted)
-    conv_inputs: dict = field(default_factory=dict)   # rid -> per layer, list of [n, C] conv inputs
-    origin: dict = field(default_factory=dict)        # rid -> per accepted token, (step, "prefill"/"decode"/"spec")
-    steps: list = field(default_factory=list)         # dicts: prefill/decode/spec counts, tokens, seconds
-    finished: list = field(default_factory=list)      # rids in the order they finished
+    tokens: dict[int, list[int]] = field(default_factory=dict)       # rid -> list of accepted token ids
+    hidden: dict[int, list[torch.Tensor]] = field(default_factory=dict)   # rid -> [n, C] input rows (accepted)
+    outputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # rid -> [n, C] output rows (accepted)
+    # rid -> per layer, list of [n, C] conv inputs
+    conv_inputs: dict[int, list[list[torch.Tensor]]] = field(default_factory=dict)
+    # rid -> per accepted token, (step, "prefill"/"decode"/"spec")
+    origin: dict[int, list[tuple[int, str]]] = field(default_factory=dict)
+    steps: list[dict[str, Any]] = field(default_factory=list)   # prefill/decode/spec counts, tokens, seconds
+    finished: list[int] = field(default_factory=list)           # rids in the order they finished
     state_checks: int = 0
     seconds: float = 0.0
-    conversions: list = field(default_factory=list)   # with count_conversions: (step, what, where) records
+    conversions: list[tuple[int, str, str]] = field(default_factory=list)   # with count_conversions: records
 
     def __repr__(self) -> str:
         kinds = {k: sum(s[k] for s in self.steps) for k in ("prefill", "decode", "spec")}
@@ -110,7 +118,7 @@ class ReplayResult:
                 f"{accepted} accepted tokens, {self.state_checks} state checks, {self.seconds:.2f} s)")
 
 
-def conv_inputs_of_step(layer, hidden, batch) -> torch.Tensor:
+def conv_inputs_of_step(layer: PLELayer, hidden: torch.Tensor, batch: StepBatch) -> torch.Tensor:
     """The conv inputs the layer computed inside `step` for these rows (same ops, same shapes: same bits).
 
     A step run as one ``ple_prefill`` (``ple.state.step.uses_fused_prefill``) never materialises
@@ -132,8 +140,10 @@ def conv_inputs_of_step(layer, hidden, batch) -> torch.Tensor:
     return layer.gate(emb, hidden)[1]
 
 
-def replay(layers, cache: PLECache, script, *, generator: torch.Generator | None = None,
-           check_states: bool = True, on_step=None, count_conversions: bool = False) -> ReplayResult:
+def replay(layers: Iterable[PLELayer], cache: PLECache, script: Iterable[Sequence[Action]], *,
+           generator: torch.Generator | None = None, check_states: bool = True,
+           on_step: Callable[[int, StepBatch, float], object] | None = None,
+           count_conversions: bool = False) -> ReplayResult:
     """Run ``script`` through ``layers`` (PLE layers in PLE-index order, chained as in the model).
 
     Hidden states of each step are drawn from ``generator``. With ``check_states``
@@ -154,7 +164,7 @@ def replay(layers, cache: PLECache, script, *, generator: torch.Generator | None
     slots: dict[int, int] = {}
     t_start = time.perf_counter()
     for index, actions in enumerate(script):
-        items = []
+        items: list[Prefill | Decode | Spec] = []
         for a in actions:
             if a.rid not in slots:
                 slots[a.rid] = cache.allocate()
@@ -210,7 +220,8 @@ def replay(layers, cache: PLECache, script, *, generator: torch.Generator | None
     return res
 
 
-def _check_state(cache: PLECache, slot: int, conv_inputs, S: int, C: int, num_layers: int) -> None:
+def _check_state(cache: PLECache, slot: int, conv_inputs: list[list[torch.Tensor]], S: int, C: int,
+                 num_layers: int) -> None:
     """The window the next step reads must be the last S accepted conv inputs, bit for bit."""
     if S == 0:
         return
@@ -223,7 +234,8 @@ def _check_state(cache: PLECache, slot: int, conv_inputs, S: int, C: int, num_la
         assert_bitwise_equal(got, hist, name=f"conv state of slot {slot}, PLE layer {li}")
 
 
-def check_replay(layers, result: ReplayResult, *, rtol: float = 1e-5, atol: float = 1e-5) -> float:
+def check_replay(layers: Sequence[PLELayer], result: ReplayResult, *, rtol: float = 1e-5,
+                 atol: float = 1e-5) -> float:
     """Compare every accepted token's output with ``forward`` over its whole accepted sequence.
 
     Returns the largest absolute error; raises ``AssertionError`` past the tolerance.

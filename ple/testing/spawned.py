@@ -18,6 +18,8 @@ Outside `run_checks`, `expect` raises ``AssertionError`` as usual.
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +31,7 @@ __all__ = ["expect", "close", "same_bits", "run_checks"]
 _failures: list[str] | None = None
 
 
-def expect(ok, msg: str) -> None:
+def expect(ok: object, msg: str) -> None:
     """Record ``msg`` as a failure of the running check if not ``ok`` (raise outside `run_checks`)."""
     if ok:
         return
@@ -38,7 +40,7 @@ def expect(ok, msg: str) -> None:
     _failures.append(msg)
 
 
-def close(actual, expected, name: str, tol: float = 1e-9) -> None:
+def close(actual: torch.Tensor | None, expected: torch.Tensor, name: str, tol: float = 1e-9) -> None:
     """`expect` ``|actual - expected| <= tol * (1 + |expected|)`` with equal shapes and dtypes.
 
     (``torch.testing`` imports DTensor under ``torch.distributed``, which is slow to do per check.)
@@ -60,10 +62,11 @@ def same_bits(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
         expect(False, str(e))
 
 
-def run_checks(checks: dict, names: list[str], rank: int, world_size: int, *args) -> dict:
+def run_checks(checks: dict[str, Callable[..., object]], names: list[str], rank: int, world_size: int,
+               *args: Any) -> dict[str, str | None]:
     """Run ``checks[name](rank, world_size, *args)`` for every name in turn: ``{name: None or what failed}``."""
     global _failures
-    out = {}
+    out: dict[str, str | None] = {}
     for name in names:
         _failures = []
         try:

@@ -25,13 +25,14 @@ Use them to test your own kernels against ``ple.reference``::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from hypothesis import strategies as st
 
 from ..config import PLEConfig
-from .serving import random_script
+from .serving import Action, random_script
 
 __all__ = ["configs", "varlen_batches", "VarlenBatch", "serving_scripts", "seeds", "token_streams"]
 
@@ -41,8 +42,8 @@ def seeds() -> st.SearchStrategy[int]:
 
 
 @st.composite
-def configs(draw, *, max_hidden: int = 9, max_hc: int = 3, kernel_sizes=(1, 2, 3, 4, 5),
-            ngram_sizes=(2, 3, 4), max_heads_per_ngram: int = 3, max_vocab: int = 64) -> PLEConfig:
+def configs(draw: st.DrawFn, *, max_hidden: int = 9, max_hc: int = 3, kernel_sizes: Sequence[int] = (1, 2, 3, 4, 5),
+            ngram_sizes: Sequence[int] = (2, 3, 4), max_heads_per_ngram: int = 3, max_vocab: int = 64) -> PLEConfig:
     """Small, odd-sized `PLEConfig`s."""
     N = draw(st.sampled_from(ngram_sizes))
     P = draw(st.integers(1, max_heads_per_ngram))
@@ -87,8 +88,8 @@ class VarlenBatch:
 
 
 @st.composite
-def varlen_batches(draw, config: PLEConfig, *, max_requests: int = 4, max_len: int = 12,
-                   index_dtype=None) -> VarlenBatch:
+def varlen_batches(draw: st.DrawFn, config: PLEConfig, *, max_requests: int = 4, max_len: int = 12,
+                   index_dtype: torch.dtype | None = None) -> VarlenBatch:
     """A varlen batch for ``config``: empty and one-token requests included, contexts with EOS."""
     R = draw(st.integers(1, max_requests))
     seqs = [draw(token_streams(config, max_size=max_len)) for _ in range(R)]
@@ -107,8 +108,9 @@ def varlen_batches(draw, config: PLEConfig, *, max_requests: int = 4, max_len: i
 
 
 @st.composite
-def serving_scripts(draw, config: PLEConfig, *, num_spec_tokens: int = 3, max_requests: int = 5,
-                    max_live: int = 3, max_prompt: int = 16, max_chunk: int = 6, max_generate: int = 6):
+def serving_scripts(draw: st.DrawFn, config: PLEConfig, *, num_spec_tokens: int = 3, max_requests: int = 5,
+                    max_live: int = 3, max_prompt: int = 16, max_chunk: int = 6,
+                    max_generate: int = 6) -> list[list[Action]]:
     """Request traffic for `ple.testing.serving.replay` (see `random_script`)."""
     rng = draw(st.randoms(use_true_random=False))
     return random_script(rng, vocab_size=config.vocab_size, eos_token_id=config.eos_token_id,

@@ -40,7 +40,7 @@ def row_of(starts: list[int], i: int) -> str:
 def _value(t: torch.Tensor, idx: tuple) -> str:
     v = t[idx]
     if t.dtype.is_floating_point:
-        bits = v.reshape(1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).item()
+        bits = int(v.reshape(1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).item())
         return f"{v.item():.9g} (0x{bits & ((1 << 8 * t.element_size()) - 1):0{2 * t.element_size()}x})"
     return str(v.item())
 

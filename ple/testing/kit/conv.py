@@ -15,7 +15,8 @@ buffer, so columns and slots the call must not touch are checked too).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from hypothesis import given, note, settings
@@ -64,7 +65,8 @@ def _channels(max_channels):
 
 
 @st.composite
-def conv_cases(draw, mode: str, *, max_channels: int = 300, dtypes=DTYPES, max_requests: int = 4):
+def conv_cases(draw: st.DrawFn, mode: str, *, max_channels: int = 300, dtypes: Sequence[torch.dtype] = DTYPES,
+               max_requests: int = 4) -> dict[str, Any]:
     """One ``ple_conv`` call's description (plain values; `build_conv` makes its tensors)."""
     spec_len = draw(st.integers(1, 5)) if mode == "spec" else 1
     if mode == "prefill":
@@ -89,7 +91,7 @@ def conv_cases(draw, mode: str, *, max_channels: int = 300, dtypes=DTYPES, max_r
         seed=draw(st.integers(0, 2**31 - 1)))
 
 
-def build_conv(case: dict) -> dict:
+def build_conv(case: dict[str, Any]) -> dict[str, Any]:
     """The tensors of one call and what each request reads (the rest of the state is NaN)."""
     g = torch.Generator().manual_seed(case["seed"])
     mode, C, K, d, lens = case["mode"], case["C"], case["K"], case["dilation"], case["lens"]
@@ -166,7 +168,7 @@ def _state_where(t):
     return where
 
 
-def check_one_conv(fn: Callable, case: dict) -> None:
+def check_one_conv(fn: Callable[..., Any], case: dict[str, Any]) -> None:
     """Run one `conv_cases` case through ``fn`` and the reference; ``AssertionError`` on a difference."""
     t = build_conv(case)
     res_ref, res_fn = t["residual"].clone(), t["residual"].clone()
@@ -200,7 +202,8 @@ def _settings(max_examples, seed):
     return settings(**kw)
 
 
-def check_ple_conv(fn: Callable, *, modes=MODES, dtypes=DTYPES, max_channels: int = 300,
+def check_ple_conv(fn: Callable[..., Any], *, modes: Sequence[str] = MODES, dtypes: Sequence[torch.dtype] = DTYPES,
+                   max_channels: int = 300,
                    max_examples: int = 25, seed: int | None = 0) -> None:
     """Check ``fn`` (the signature of ``ple.reference.ple_conv``) against the reference.
 
@@ -228,7 +231,8 @@ def _seeded(prop, seed):
 
 
 @st.composite
-def export_cases(draw, *, max_channels: int = 300, dtypes=DTYPES):
+def export_cases(draw: st.DrawFn, *, max_channels: int = 300,
+                 dtypes: Sequence[torch.dtype] = DTYPES) -> dict[str, Any]:
     S = draw(st.integers(1, 9))
     lens = draw(st.lists(st.integers(0, 25), min_size=0, max_size=4))
     return dict(C=draw(_channels(max_channels)), S=S, lens=lens, dtype=draw(st.sampled_from(list(dtypes))),
@@ -239,7 +243,7 @@ def export_cases(draw, *, max_channels: int = 300, dtypes=DTYPES):
                 index_dtype=draw(st.sampled_from([torch.int32, torch.int64])), seed=draw(st.integers(0, 2**31 - 1)))
 
 
-def check_one_export(fn: Callable, case: dict) -> None:
+def check_one_export(fn: Callable[..., Any], case: dict[str, Any]) -> None:
     g = torch.Generator().manual_seed(case["seed"])
     C, S, lens, dt = case["C"], case["S"], case["lens"], case["dtype"]
     R = len(lens)
@@ -278,7 +282,8 @@ def check_one_export(fn: Callable, case: dict) -> None:
                  where=lambda idx: f"buffer element {idx}", case=case)
 
 
-def check_export_conv_checkpoints(fn: Callable, *, dtypes=DTYPES, max_channels: int = 300,
+def check_export_conv_checkpoints(fn: Callable[..., Any], *, dtypes: Sequence[torch.dtype] = DTYPES,
+                                  max_channels: int = 300,
                                   max_examples: int = 25, seed: int | None = 0) -> None:
     """Check ``fn`` (the signature of ``ple.reference.export_conv_checkpoints``) against the reference:
     the whole state buffer bit for bit; see `check_ple_conv` for the options and the failure message."""

@@ -25,6 +25,8 @@ configs (channels beyond one tile: C up to a few hundred, odd sizes; K 1..5; two
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from hypothesis import given, note
@@ -57,7 +59,7 @@ def _layers(config, ops, dtype, seed, num_layers):
     return mine, refs, r64
 
 
-def serving_script(config: PLEConfig, seed: int) -> list:
+def serving_script(config: PLEConfig, seed: int) -> list[list[Action]]:
     """The serving part's script: a fixed opening with every kind of step, then random traffic.
 
     The opening (requests 1000 and 1001, both finished before the random part starts, so its
@@ -94,7 +96,7 @@ def _layer_cases(draw, dtypes, max_hidden):
                 script_seed=draw(st.integers(0, 2**31 - 1)), seed=draw(st.integers(0, 2**31 - 1)))
 
 
-def check_one_layer(ops, case: dict, *, grad: bool = True, serving: bool = True) -> None:
+def check_one_layer(ops: object, case: dict[str, Any], *, grad: bool = True, serving: bool = True) -> None:
     config: PLEConfig = case["config"]
     dt = case["dtype"]
     B, L, C = case["B"], case["L"], config.hc_hidden_size
@@ -141,7 +143,8 @@ def check_one_layer(ops, case: dict, *, grad: bool = True, serving: bool = True)
             raise AssertionError(f"serving (float32, {n} PLE layers): {e}\n  case: {fmt_case(case)}") from None
 
 
-def check_layer(ops, *, dtypes=(torch.float32, torch.bfloat16), max_hidden: int = 40, grad: bool = True,
+def check_layer(ops: object, *, dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16), max_hidden: int = 40,
+                grad: bool = True,
                 serving: bool = True, max_examples: int = 10, seed: int | None = 0) -> None:
     """Check ``PLELayer(config, ops=ops)`` whole against the reference layer (see the module docstring).
 

@@ -12,7 +12,8 @@ smallest case, the element (request, row, channel, head) and both values.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from hypothesis import given, note
@@ -44,7 +45,7 @@ def _grads(fn, inputs: dict, wrt: list[str], g_out, **kw):
     outs = out if isinstance(out, tuple) else (out,)
     gs = g_out(outs)
     live = [(o, g) for o, g in zip(outs, gs, strict=False) if isinstance(o, torch.Tensor) and o.requires_grad]
-    grads = (None,) * len(wrt)                    # an output autograd does not reach: no gradient (reported)
+    grads: tuple[torch.Tensor | None, ...] = (None,) * len(wrt)   # autograd reaches no output: no gradient
     if wrt and live:
         grads = torch.autograd.grad([o for o, _ in live], [leaves[k] for k in wrt], [g for _, g in live],
                                     allow_unused=True)
@@ -63,12 +64,13 @@ def _ngram_cases(draw, max_requests):
                 context=batch.ngram_context.tolist() if draw(st.booleans()) else None)
 
 
-def check_ngram_ids(fn: Callable, *, max_examples: int = 25, max_requests: int = 4, seed: int | None = 0) -> None:
+def check_ngram_ids(fn: Callable[..., Any], *, max_examples: int = 25, max_requests: int = 4,
+                    seed: int | None = 0) -> None:
     """Check ``fn`` (the signature of ``ple.reference.ngram_ids``): the ``[T, NH]`` ids, exactly."""
     def body(case):
         c: PLEConfig = case["config"]
         params = ref.hash_params(c, case["ple_layer_index"])
-        kw = dict(heads_per_ngram=c.heads_per_ngram, eos_token_id=c.eos_token_id,
+        kw: dict[str, Any] = dict(heads_per_ngram=c.heads_per_ngram, eos_token_id=c.eos_token_id,
                   query_start_loc=torch.tensor(case["query_start_loc"], dtype=case["index_dtype"]),
                   ngram_context=None if case["context"] is None else torch.tensor(case["context"]).reshape(
                       -1, c.context_len))
@@ -95,7 +97,9 @@ def _ngram_embedding_cases(draw, dtypes, max_requests, max_dim):
     return case
 
 
-def check_ngram_embedding(fn: Callable, *, dtypes=(torch.float32, torch.bfloat16, torch.float64), max_dim: int = 200,
+def check_ngram_embedding(fn: Callable[..., Any], *,
+                          dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16, torch.float64),
+                          max_dim: int = 200,
                           max_requests: int = 4, grad: bool = True, max_examples: int = 25,
                           seed: int | None = 0) -> None:
     """Check ``fn`` (the signature of ``ple.reference.ngram_embedding``): the ``[T, NH * D]`` rows bit for bit
@@ -110,7 +114,7 @@ def check_ngram_embedding(fn: Callable, *, dtypes=(torch.float32, torch.bfloat16
         c: PLEConfig = case["config"]
         params = ref.hash_params(c, case["ple_layer_index"])
         ix, idt = case["index_dtype"], case["ids_dtype"]
-        kw = dict(heads_per_ngram=c.heads_per_ngram, eos_token_id=c.eos_token_id,
+        kw: dict[str, Any] = dict(heads_per_ngram=c.heads_per_ngram, eos_token_id=c.eos_token_id,
                   query_start_loc=torch.tensor(case["query_start_loc"], dtype=ix),
                   ngram_context=None if case["context"] is None else torch.tensor(case["context"], dtype=idt).reshape(
                       -1, c.context_len))
@@ -153,8 +157,8 @@ def _lookup_cases(draw, dtypes, max_dim):
                 seed=draw(st.integers(0, 2**31 - 1)))
 
 
-def check_embedding_lookup(fn: Callable, *, dtypes=DTYPES, max_dim: int = 200, grad: bool = True,
-                           max_examples: int = 25, seed: int | None = 0) -> None:
+def check_embedding_lookup(fn: Callable[..., Any], *, dtypes: Sequence[torch.dtype] = DTYPES, max_dim: int = 200,
+                           grad: bool = True, max_examples: int = 25, seed: int | None = 0) -> None:
     """Check ``fn`` (the signature of ``ple.reference.embedding_lookup``): rows bit for bit (a gather), and
     with ``grad`` the table's gradient (repeated ids summed) by the tolerance table."""
     def body(case):
@@ -192,8 +196,8 @@ def _gate_cases(draw, dtypes, max_hidden):
                 seed=draw(st.integers(0, 2**31 - 1)))
 
 
-def check_ple_gate(fn: Callable, *, dtypes=DTYPES, max_hidden: int = 300, grad: bool = True,
-                   max_examples: int = 25, seed: int | None = 0) -> None:
+def check_ple_gate(fn: Callable[..., Any], *, dtypes: Sequence[torch.dtype] = DTYPES, max_hidden: int = 300,
+                   grad: bool = True, max_examples: int = 25, seed: int | None = 0) -> None:
     """Check ``fn`` (the signature of ``ple.reference.ple_gate``): ``(gated, conv_input)`` and, with ``grad``,
     the gradients of key, value, hidden states and the three norm weights."""
     names = ["key", "value", "hidden_states", "norm_key_weight", "norm_query_weight", "norm_conv_weight"]
@@ -252,7 +256,8 @@ def _dcc_cases(draw, dtypes, max_channels):
                 index_dtype=draw(st.sampled_from([torch.int32, torch.int64])), seed=draw(st.integers(0, 2**31 - 1)))
 
 
-def check_dilated_causal_conv(fn: Callable, *, dtypes=DTYPES, max_channels: int = 300, grad: bool = True,
+def check_dilated_causal_conv(fn: Callable[..., Any], *, dtypes: Sequence[torch.dtype] = DTYPES,
+                              max_channels: int = 300, grad: bool = True,
                               max_examples: int = 25, seed: int | None = 0) -> None:
     """Check ``fn`` (the signature of ``ple.reference.dilated_causal_conv``), ``[B, L, C]`` and packed
     ``[T, C]`` with ``cu_seqlens``: the output and, with ``grad``, the gradients of ``x`` and ``weight``."""

@@ -41,7 +41,8 @@ and physical), channel (stream), or state slot, channel, column and what the col
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from hypothesis import strategies as st
@@ -61,7 +62,8 @@ NAMES = ("key", "value", "hidden_states", "norm_key_weight", "norm_query_weight"
 
 
 @st.composite
-def prefill_cases(draw, part: str, *, dtypes=DTYPES, max_hidden: int = 160, max_requests: int = 4):
+def prefill_cases(draw: st.DrawFn, part: str, *, dtypes: Sequence[torch.dtype] = DTYPES, max_hidden: int = 160,
+                  max_requests: int = 4) -> dict[str, Any]:
     """One ``ple_prefill`` call's description (plain values; the tensors come from ``seed``)."""
     length = st.one_of(st.integers(2, 12), st.integers(30, 70), st.sampled_from([0, 1]))   # empty requests too
     empty = draw(st.integers(0, 9)) == 0                      # now and then a batch of no requests
@@ -86,7 +88,7 @@ def prefill_cases(draw, part: str, *, dtypes=DTYPES, max_hidden: int = 160, max_
     return case
 
 
-def build_prefill(case: dict) -> dict:
+def build_prefill(case: dict[str, Any]) -> dict[str, Any]:
     """The tensors of one call, and (serving) the masks of the state columns it reads and computes."""
     g = torch.Generator().manual_seed(case["seed"])
     M, H, K, d, lens, dt = case["M"], case["H"], case["K"], case["dilation"], case["lens"], case["dtype"]
@@ -197,7 +199,7 @@ def _ill(t: dict, case: dict) -> bool:
     return case["dtype"] == torch.float32 and bool((_scores(t["inputs"], t["H"], case["eps"]).abs() < 0.05).any())
 
 
-def check_one_forward(fn: Callable, case: dict) -> None:
+def check_one_forward(fn: Callable[..., Any], case: dict[str, Any]) -> None:
     """One forward case (``conv_state=None``): ``out`` and the seven gradients."""
     t = build_prefill(case)
     kw = _kwargs(t, case)
@@ -243,7 +245,7 @@ def _state_where(t: dict, case: dict, what: str) -> Callable[[tuple], str]:
     return where
 
 
-def check_one_serving(fn: Callable, case: dict, exact_states: bool | None = None) -> None:
+def check_one_serving(fn: Callable[..., Any], case: dict[str, Any], exact_states: bool | None = None) -> None:
     """One serving case (``conv_state`` given): ``out`` and the whole state buffer."""
     t = build_prefill(case)
     (st_ref, buf_ref), (st_fn, buf_fn) = _clone_state(t), _clone_state(t)
@@ -286,7 +288,8 @@ def check_one_serving(fn: Callable, case: dict, exact_states: bool | None = None
                  where=lambda idx: f"buffer element {idx}", case=case)
 
 
-def check_ple_prefill(fn: Callable, *, parts=PARTS, dtypes=DTYPES, max_hidden: int = 160, max_requests: int = 4,
+def check_ple_prefill(fn: Callable[..., Any], *, parts: Sequence[str] = PARTS, dtypes: Sequence[torch.dtype] = DTYPES,
+                      max_hidden: int = 160, max_requests: int = 4,
                       exact_states: bool | None = None, max_examples: int = 25, seed: int | None = 0) -> None:
     """Check ``fn`` (the signature of ``ple.reference.ple_prefill``) against the reference.
 
