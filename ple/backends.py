@@ -73,8 +73,8 @@ def twin(reference: Callable[..., Any], *,
     """
 
     def decorate(fn: _F) -> _F:
-        if guard is None:
-            call = functools.wraps(fn)(lambda *args, **kwargs: fn(*args, **kwargs))
+        if guard is None:               # no wrapper, so no extra call on the hot path: fn itself takes the doc
+            call: Callable[..., Any] = fn
         else:
             module = fn.__module__.rsplit(".", 1)[0]
 
