@@ -22,7 +22,8 @@ machine slows both alike. Cases, and the bar of issue 21 (ple time / transformer
   0.5 (either).
 
 Defaults: ``--seqs 1x2048,8x256``, ``--decode 64``, ``--dtype float32,bfloat16``, ``--threads 1``
-(the torch thread count while timing; ``--threads 0`` keeps torch's default), ``--repeats 15``.
+(the torch thread count while timing; ``--threads 0`` keeps torch's default), ``--repeats 15``
+(decode cases: ``--decode-repeats``, default 4x that).
 ``--smoke``: the tiny preset, one short sequence shape, R 4, two repeats (what the tests run).
 ``--no-compile`` skips the compiled cases. Prints one Markdown table (case, dtype, transformers ms,
 ple ms, ratio, bar, outputs) and appends a row per case and implementation to the results CSV
@@ -63,6 +64,8 @@ def parse(argv):
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     p.add_argument("--seqs", default="1x2048,8x256", help="B x L shapes of forward, backward and compiled")
     p.add_argument("--decode", default="64", help="requests per decode step")
+    p.add_argument("--decode-repeats", type=int, default=None,
+                   help="timed calls of each implementation in decode cases (default 4x --repeats: they are short)")
     p.add_argument("--prompt", type=int, default=32, help="longest prompt of the prefill before decode")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads while timing (0: torch's default)")
     p.add_argument("--no-compile", action="store_true", help="skip the compiled cases")
@@ -84,9 +87,15 @@ def interleaved(fns: dict, repeats: int, warmup: int = 2) -> dict:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def compare(got, want, dtype) -> str:
-    """``same bits`` / ``max rel diff x``, and whether it meets the bar (bfloat16: bit for bit; else 1e-5 relative)."""
+def compare(got, want, dtype, bitwise=True) -> str:
+    """``same bits`` / ``max rel diff x`` of the output (and the gradients), and whether it meets its bar.
+
+    The bar (SPEC section 8): an eager bfloat16 output equals the model's bit for bit (``bitwise``);
+    gradients, compiled outputs (inductor rounds differently) and float32 are within a relative
+    difference (of the largest magnitude) of 1e-5 in float32, 2e-2 in bfloat16.
+    """
     got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple) else (want,))
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     notes, ok = [], True
     for part, gs, ws in (("output", got[:1], want[:1]), ("grads", got[1:], want[1:])):
         if not gs:
@@ -96,7 +105,7 @@ def compare(got, want, dtype) -> str:
             continue
         rel = max(((g.double() - w.double()).abs().max() / w.double().abs().max().clamp_min(1e-30)).item()
                   for g, w in zip(gs, ws))
-        ok &= dtype != torch.bfloat16 and rel <= 1e-5
+        ok &= rel <= tol and not (bitwise and part == "output" and dtype == torch.bfloat16)
         notes.append(f"{part} max rel diff {rel:.2g}")
     return ", ".join(notes) + ("" if ok else " (MISMATCH)")
 
@@ -139,7 +148,7 @@ def backward_fns(layer, tfm, x):
 def decode_fns(cfg, layer, tf, tfm, tcfg, R, max_prompt, dtype, step=None):
     """Decode-step callables of ple (``step`` or ``layer.step``) and transformers, each on its own prefilled cache."""
     case = bench_decode_cpu.Case(cfg, layer, tf, tfm, tcfg, R, max_prompt, dtype)
-    step = step or layer.step
+    step = layer.step if step is None else step
     items = [Decode(s, t) for s, t in zip(case.slots, case.tokens.tolist())]
 
     def ple():
@@ -177,10 +186,13 @@ def main(argv=None):
         common.allow_recompiles()
     table, rows = [], []
 
+    decode_repeats = args.decode_repeats or 4 * repeats
+
     def record(case, dtype, fns, check):
         torch.set_num_threads(threads)
         try:
-            ms = interleaved({k: f for k, f in fns.items() if f is not None}, repeats)
+            n = decode_repeats if case.startswith("decode") else repeats
+            ms = interleaved({k: f for k, f in fns.items() if f is not None}, n)
         finally:
             torch.set_num_threads(default_threads)
         tf_ms, ple_ms = ms.get("transformers"), ms["torch"]
@@ -216,7 +228,8 @@ def main(argv=None):
                     ple, tfn = forward_fns(layer, tfm, x)
                     case = f"forward {B}x{L}"
                 got = ple()
-                check = compare(got, tfn(), dtype) if tfm is not None else "transformers not installed"
+                check = (compare(got, tfn(), dtype, bitwise=mode != "compiled") if tfm is not None
+                         else "transformers not installed")
                 record(case, dtype, {"transformers": tfn if tfm is not None else None, "torch": ple}, check)
         if "decode" in modes:
             for R in common.ints(args.decode):
@@ -226,7 +239,8 @@ def main(argv=None):
                     variants.append(("decode-compiled", torch.compile(layer.step, fullgraph=True)))
                 for name, step in variants:
                     ple, tfn = decode_fns(cfg, layer, tf, tfm, tcfg, R, args.prompt, dtype, step)
-                    check = compare(ple(), tfn(), dtype) if tfn is not None else "transformers not installed"
+                    check = (compare(ple(), tfn(), dtype, bitwise=step is None) if tfn is not None
+                             else "transformers not installed")
                     record(f"{name} {R}", dtype, {"transformers": tfn, "torch": ple}, check)
     print(markdown(table))
     if args.csv:

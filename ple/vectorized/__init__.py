@@ -8,6 +8,15 @@ found with ``torch.searchsorted`` on the device offsets, conv histories are gath
 arithmetic, and state writes have a fixed shape. So a serving step makes no device-to-host
 synchronisation and ``torch.compile(fullgraph=True)`` traces the layer and its step. This is
 the default of ``backend="auto"`` where Triton cannot run compiled (the CPU).
+
+Speed on a CPU comes from few, large ops and small temporaries: the norms without ``pow`` or
+mixed-dtype ops, the gate and the whole-sequence forward in blocks of rows whose float32
+temporaries stay in cache (``gate.block_rows``), the conv as shifted-slice multiply-adds with an
+``autograd.Function`` backward, the hash as one window gather, a decode step in a fixed number of
+ops; under ``torch.compile`` formulations inductor fuses without recomputation (see the modules).
+In float32 and float64 the forward rounds as the reference does too (blocks keep vector lanes,
+products and adds are rounded separately), so it matches bit for bit but for an occasional last bit
+of a ``silu`` run on a differently shaped tensor; gradients are within the tolerance.
 """
 
 from ..reference.gate import grouped_rms_norm

@@ -20,6 +20,13 @@ so with ``validate=False`` they turn no tensor into a Python value and trace und
 
 Rounding follows the model: the tap sum is accumulated in float32 and rounded to
 the input dtype, then silu, rounded; each residual add is rounded.
+
+Decode rows (the hot serving path) take `_decode`: a fixed ~30 ops whatever R is, with the
+state's columns read and written as rows (`_state_rows`) and every row scatter done on a 16-byte
+view of the rows (`_copy_rows_`: ATen's CPU ``index_copy_`` costs per element). Under
+``torch.compile`` state writes go through the custom op ``ple_torch::copy_rows_``, so the
+compiled step mutates the cache's conv states in place instead of rebuilding them (see there).
+Prefill and spec rows take the general gather formulation.
 """
 
 from __future__ import annotations
@@ -77,7 +84,12 @@ def _write_windows(conv_state: torch.Tensor, target: torch.Tensor, owns: torch.T
         hit = owns & (target == 0)                                            # at most one owner of slot 0
         z_final = torch.where(hit.any(), new[hit.to(torch.int8).argmax()], new[(~owns).to(torch.int8).argmax()])
         new = torch.where(owns[:, None, None], new, z_final)
-    conv_state[target[:, None], :, torch.arange(width, device=target.device)] = new
+    rows = _state_rows(conv_state)
+    if rows is None:
+        conv_state[target[:, None], :, torch.arange(width, device=target.device)] = new
+    else:                                                                     # columns as rows: one row copy
+        c = torch.arange(width, device=target.device)
+        _copy_rows_(rows, (target[:, None] * conv_state.shape[2] + c).flatten(), new.reshape(R * width, -1))
 
 
 @twin(_reference.ple_conv)
@@ -146,6 +158,7 @@ def ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Ten
         req, first = torch.arange(N, device=dev), torch.arange(N, device=dev)
         starts = torch.arange(R + 1, device=dev)
     else:
+        assert query_start_loc is not None                                      # checked by ple_conv_meta
         req, first = _row_requests(query_start_loc, N)
         starts = query_start_loc.to(torch.int64)
     pos = torch.arange(N, device=dev) - first                                   # position in its request
@@ -154,6 +167,7 @@ def ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Ten
     slots = state_indices.to(torch.int64)
     live = slots != null_slot                                                   # [R]
     if mode == "spec":
+        assert num_accepted_tokens is not None                                  # checked by ple_conv_meta
         reads = live
         o = num_accepted_tokens.to(torch.int64) - 1
     else:
@@ -218,18 +232,36 @@ def _wide_type(*ts: torch.Tensor) -> torch.dtype | None:
     return None
 
 
-def _copy_rows_(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.index_copy_(0, index, src)`` for ``[n, C]`` rows, on a wide view of both where they allow one.
-
-    ATen's CPU ``index_copy_`` / ``index_fill_`` cost per *element* (a 2 MiB bfloat16 row scatter takes
-    ~10x an ``index_select`` of it); reinterpreting the rows as 16-byte elements copies the same bits
-    8x fewer times. Bits are copied, never computed on. Not under ``torch.compile``, which fuses these.
-    """
+def _copy_rows_eager(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
     wide = _wide_type(dst, src)
     if wide is None:
         dst.index_copy_(0, index, src)
     else:
         dst.view(wide).index_copy_(0, index, src.view(wide))
+
+
+@torch.library.custom_op("ple_torch::copy_rows_", mutates_args=("dst",))
+def _copy_rows_op(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """`_copy_rows_` as an opaque op that mutates ``dst`` (see there)."""
+    _copy_rows_eager(dst, index, src)
+
+
+def _copy_rows_(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.index_copy_(0, index, src)`` for ``[n, C]`` rows, on a wide view of both where they allow one.
+
+    ATen's CPU ``index_copy_`` / ``index_put_`` cost per *element* (a 2 MiB bfloat16 row scatter takes
+    ~10x an ``index_select`` of it); reinterpreting the rows as 16-byte elements copies the same bits
+    8x fewer times. Bits are copied, never computed on.
+
+    Under ``torch.compile`` it is the custom op ``ple_torch::copy_rows_`` (declared as mutating ``dst``):
+    ``dst`` is a view of a slice of ``PLECache.conv_states``, a graph input, and a plain in-place op on
+    such a view makes AOTAutograd rebuild and copy back the *whole* input (every slot of every layer,
+    twice, each step); the op's mutation of the view is applied in place.
+    """
+    if torch.compiler.is_compiling():
+        _copy_rows_op(dst, index, src)
+    else:
+        _copy_rows_eager(dst, index, src)
 
 
 def _state_rows(conv_state: torch.Tensor) -> torch.Tensor | None:
@@ -264,6 +296,10 @@ def _decode(inputs, residual, conv_state, conv_weights, state_indices, dilation,
         _decode_general(inputs, residual, conv_state, conv_weights, state_indices, dilation, has_initial_states,
                         token_indices, outer_residual, null_slot)
         return
+    if torch.compiler.is_compiling():
+        _decode_compiled(inputs, residual, state_rows, W, conv_weights, state_indices, dilation, has_initial_states,
+                         token_indices, outer_residual, null_slot)
+        return
     dev, dt = inputs.device, inputs.dtype
     acc = acc_dtype(dt)
     slots = state_indices.to(torch.int64)
@@ -297,6 +333,40 @@ def _decode(inputs, residual, conv_state, conv_weights, state_indices, dilation,
     shifted = torch.where(c < S - 1, torch.where(reads[:, None], r * S + c + 1, zero), x_row)
     new = table.index_select(0, torch.where(live[:, None], shifted, r * S + c).flatten())
     _copy_rows_(state_rows, (first + c).flatten(), new)
+
+
+def _decode_compiled(inputs, residual, state_rows, W, conv_weights, state_indices, dilation, has_initial_states,
+                     token_indices, outer_residual, null_slot) -> None:
+    """`_decode` as inductor fuses it: gathers and selects it fuses into one pass, the taps' weights stacked
+    (a buffer it realises; a transposed view it would gather element by element), the window written back
+    with ``ple_torch::copy_rows_`` (see `_copy_rows_`)."""
+    K = conv_weights.shape[1]
+    S = (K - 1) * dilation
+    R, C = state_indices.numel(), inputs.shape[1]
+    dev, dt = inputs.device, inputs.dtype
+    acc = acc_dtype(dt)
+    slots = state_indices.to(torch.int64)
+    live = slots != null_slot
+    reads = live if has_initial_states is None else live & (has_initial_states != 0)
+    rows = torch.arange(R, device=dev) if token_indices is None else token_indices.to(torch.int64)
+    c = torch.arange(S, device=dev)
+    first = (torch.where(live, slots, null_slot) * W)[:, None]
+    old = state_rows[(first + c).flatten()].view(R, S, C)                       # the S columns read
+    x = inputs[rows]
+    wt = torch.stack(conv_weights.to(acc).unbind(1))                            # [K, C]
+    u = x.new_zeros(R, C, dtype=acc)
+    for j in range(K - 1):
+        u = u + torch.where(reads[:, None], old[:, j * dilation].to(acc), 0.0) * wt[j]
+    u = u + x.to(acc) * wt[K - 1]
+    y = F.silu(u.to(dt).to(acc)).to(dt)
+    res = residual[rows]
+    new_res = torch.where(live[:, None], res + y, res)
+    if outer_residual is not None:
+        new_res = new_res + outer_residual[rows]
+    residual.index_copy_(0, rows, new_res)
+    shifted = torch.cat([torch.where(reads[:, None, None], old[:, 1:], old.new_zeros(())), x[:, None]], 1)
+    new = torch.where(live[:, None, None], shifted, old)
+    _copy_rows_(state_rows, (first + c).flatten(), new.view(R * S, C))
 
 
 def _decode_general(inputs, residual, conv_state, conv_weights, state_indices, dilation, has_initial_states,

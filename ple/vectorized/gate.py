@@ -78,14 +78,37 @@ def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, group_size: int, eps
     return out.copy_(y)
 
 
+PAIRED_ROWS = 128
+"""Up to this many rows (a decode step) the key and query norms run as one norm of both stacked: half the
+ops, for one copy of two small tensors."""
+
+
+def _paired_norms(key, hidden_states, norm_key_weight, norm_query_weight, H, eps):
+    """``(norm_key(key), norm_query(hidden_states))`` as one `grouped_rms_norm` of ``[2T, C]`` (per-token ops:
+    the same bits)."""
+    T, C = key.shape
+    acc = acc_dtype(key.dtype)
+    xf = torch.cat([key, hidden_states]).to(acc).view(2 * T, C // H, H)
+    sq = xf * xf
+    r = sq.sum(-1, keepdim=True).div_(H).add_(eps).rsqrt_()
+    y = torch.mul(xf, r, out=sq).view(2, T, C)
+    y.mul_(torch.stack([norm_key_weight.to(acc), norm_query_weight.to(acc)]).add_(1.0)[:, None])
+    y = y.to(key.dtype)
+    return y[0], y[1]
+
+
 def scores_and_gates(key: torch.Tensor, hidden_states: torch.Tensor, norm_key_weight: torch.Tensor,
-                     norm_query_weight: torch.Tensor, group_size: int, eps: float):
+                     norm_query_weight: torch.Tensor, group_size: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, g)``, ``[T, M]`` in the input dtype: ``ple.reference.gate.stream_scores``, bit for bit."""
     H = group_size
     dt = key.dtype
     T, C = key.shape
-    kn = grouped_rms_norm(key, norm_key_weight, H, eps).view(T, C // H, H)
-    qn = grouped_rms_norm(hidden_states, norm_query_weight, H, eps).view(T, C // H, H)
+    if T <= PAIRED_ROWS and not records_grad(key, hidden_states, norm_key_weight, norm_query_weight):
+        kn, qn = _paired_norms(key, hidden_states, norm_key_weight, norm_query_weight, H, eps)
+    else:
+        kn = grouped_rms_norm(key, norm_key_weight, H, eps)
+        qn = grouped_rms_norm(hidden_states, norm_query_weight, H, eps)
+    kn, qn = kn.view(T, C // H, H), qn.view(T, C // H, H)
     prod = kn * qn                                                  # rounded to the model dtype, as the model
     s = prod.to(acc_dtype(dt)).sum(-1).to(dt)                       # sum in float32 (= sum(dtype=float32))
     s = s / math.sqrt(H)
@@ -114,7 +137,9 @@ def _gate_block(key, value, hidden_states, norm_key_weight, norm_query_weight, n
     return gated, grouped_rms_norm(gated, norm_conv_weight, H, eps, out=conv_input)
 
 
-def gate(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps, H):
+def gate(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor, norm_key_weight: torch.Tensor,
+         norm_query_weight: torch.Tensor, norm_conv_weight: torch.Tensor, eps: float,
+         H: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`ple_gate` after its checks: ``(gated, conv_input)``; in blocks of rows when nothing records autograd."""
     T, C = key.shape
     args = (norm_key_weight, norm_query_weight, norm_conv_weight, eps, H)

@@ -1,8 +1,9 @@
 """``ngram_ids`` vectorised over the whole flattened batch (SPEC section 3).
 
 Each token finds its request with ``torch.searchsorted`` on the device ``query_start_loc``;
-the k-back token of every token is one shifted copy of the ids (or a read of the request's
-context row), and the EOS rule is a running flag over k. No tensor becomes a Python value after
+every token's whole window (the token and the N-1 before it, from the chunk or the request's
+context) is one gather, the EOS rule a running maximum over it, and all NH heads one remainder:
+about 20 ops whatever T and N are. No tensor becomes a Python value after
 the checks, so a step traces under ``torch.compile(fullgraph=True)``.
 """
 
@@ -19,35 +20,33 @@ __all__ = ["ngram_ids"]
 
 
 def _windows(ids: torch.Tensor, ctx: torch.Tensor, N: int, eos_token_id: int,
-             query_start_loc: torch.Tensor | None) -> list[torch.Tensor]:
-    """``window[k][t]``: the token k positions before token t (context included), EOS rule applied."""
+             query_start_loc: torch.Tensor | None) -> torch.Tensor:
+    """``window[t, k]``: the token k positions before token t (context included), EOS rule applied; ``[T, N]``.
+
+    One gather from ``cat(ctx.flatten(), ids)``: entry k of token t is ``ids[t - k]`` when the token is
+    at least k into its request, else the request's context entry ``N - 1 + pos - k``. The EOS rule
+    (past a step that reached an EOS, every older entry is EOS) is a running maximum over k.
+    """
     dev = ids.device
     T = ids.numel()
     R = ctx.shape[0]
-    tokens = torch.arange(T, device=dev)
+    t = torch.arange(T, device=dev)
     if query_start_loc is None:
-        req, pos = torch.zeros(T, dtype=torch.int64, device=dev), tokens
+        req, pos = torch.zeros(T, dtype=torch.int64, device=dev), t
     else:
         qsl = query_start_loc.to(torch.int64)
-        req = torch.searchsorted(qsl[1:], tokens, right=True).clamp(max=max(R - 1, 0))   # [T] request of a token
-        pos = tokens - qsl[req]                                                           # position in it
-
-    # back[k][t] is the token k positions before token t: inside the chunk, or in its context.
-    back = [ids]
-    for k in range(1, N):
-        in_chunk = pos >= k
-        from_chunk = torch.cat([ids.new_zeros(min(k, T)), ids[: max(T - k, 0)]])  # ids shifted k to the right
-        from_ctx = ctx[req, (N - 1 + pos - k).clamp(0, N - 2)] if R else from_chunk
-        back.append(torch.where(in_chunk, from_chunk, from_ctx))
-
-    # EOS rule: once a step back reaches an EOS, every older entry is EOS (the EOS itself is kept).
-    window = [back[0]]
-    seen_eos = torch.zeros(T, dtype=torch.bool, device=dev)
-    for k in range(1, N):
-        window.append(torch.where(seen_eos, torch.full_like(back[k], eos_token_id), back[k]))
-        seen_eos = seen_eos | (back[k] == eos_token_id)
-
-    return window
+        req = torch.searchsorted(qsl[1:], t, right=True).clamp(max=max(R - 1, 0))     # [T] request of a token
+        pos = t - qsl[req]                                                            # position in it
+    k = torch.arange(N, device=dev)
+    n_ctx = R * (N - 1)
+    in_chunk = pos[:, None] >= k
+    idx = torch.where(in_chunk, n_ctx + t[:, None] - k, req[:, None] * (N - 1) + (N - 1) + pos[:, None] - k)
+    back = torch.cat([ctx.reshape(-1), ids]).index_select(0, idx.clamp(min=0).flatten()).view(T, N)
+    if N <= 2:
+        return back
+    eos = (back[:, 1:N - 1] == eos_token_id).to(torch.int8).cummax(1).values       # [T, N-2]: an EOS at 1..k-1
+    seen = torch.cat([eos.new_zeros(T, 2), eos], 1) != 0
+    return torch.where(seen, eos_token_id, back)
 
 
 @twin(_reference.ngram_ids)
@@ -65,15 +64,14 @@ def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: i
     else:
         ctx = ngram_context.to(torch.int64)
 
-    window = _windows(ids, ctx, N, eos_token_id, query_start_loc)
+    window = _windows(ids, ctx, N, eos_token_id, query_start_loc)             # [T, N]
 
     m = params.multipliers.to(dev)
     sizes, offsets = params.head_sizes.to(dev), params.head_offsets.to(dev)
     P = heads_per_ngram
-    mix = window[0] * m[0]
-    blocks = []
-    for n in range(2, N + 1):
-        mix = mix ^ (window[n - 1] * m[n - 1])
-        heads = slice((n - 2) * P, (n - 1) * P)
-        blocks.append(mix[:, None] % sizes[heads] + offsets[heads])
-    return torch.cat(blocks, dim=1)
+    prod = window * m                                                           # [T, N]
+    mixes = [prod[:, 0] ^ prod[:, 1]]
+    for n in range(3, N + 1):
+        mixes.append(mixes[-1] ^ prod[:, n - 1])
+    mix = torch.stack(mixes, 1).repeat_interleave(P, dim=1)          # [T, NH]: head h hashes order h // P + 2
+    return mix % sizes + offsets

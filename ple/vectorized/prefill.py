@@ -57,6 +57,7 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
     if conv_state is None:
         y = _conv(conv_input, conv_weights, dilation, query_start_loc)
         return (gated + y) + hidden_states
+    assert state_indices is not None                                          # checked by prefill_meta
     out = gated.clone() if grad else gated
     ple_conv(conv_input, out, conv_state, conv_weights, state_indices, mode="prefill", dilation=dilation,
              query_start_loc=query_start_loc, has_initial_states=has_initial_states, token_indices=token_indices,

@@ -91,6 +91,7 @@ def tap_sum(xf: torch.Tensor, wt: torch.Tensor, dilation: int, cu: torch.Tensor 
             multiply_add_(out[..., lag:T, :], xf[..., :T - lag, :], wt[j], exact)
     if not fix:
         return out
+    assert cu is not None
     rows, inside = _sequence_heads(cu, lags[0], T)
     p = torch.arange(lags[0], device=xf.device)
     acc = xf.new_zeros(rows.numel(), xf.shape[1])
@@ -116,6 +117,7 @@ def _tap_sum_transposed(g: torch.Tensor, wt: torch.Tensor, dilation: int, cu: to
             gx[..., :T - lag, :].addcmul_(g[..., lag:, :], wt[j])
     if not fix:
         return gx
+    assert cu is not None
     S = lags[0]
     rows, inside = _sequence_tails(cu, S)
     ends = cu[1:-1, None]
@@ -142,6 +144,7 @@ def _tap_weight_grad(g: torch.Tensor, xf: torch.Tensor, dilation: int, cu: torch
             prod = g[..., lag:, :] * xf[..., :T - lag, :]
             gw[j] = prod.reshape(-1, C).sum(0)
             continue
+        assert cu is not None
         prod = xf.new_empty(T - lag + 1, C)                           # + a scratch row
         torch.mul(g[lag:], xf[:T - lag], out=prod[:T - lag])
         rows, inside = _sequence_heads(cu, lag, T)                     # rows t < start + lag: no term
