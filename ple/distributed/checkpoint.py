@@ -8,12 +8,19 @@ checkpoint in W shards over W ranks, rank k reads shard k and nothing else.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
+from torch.distributed.tensor import DTensor
 
 from ..quant import scheme_of
-from ..table import DenseTable, QuantizedTable, is_float_table
+from ..table import DenseTable, QuantizedTable, Table, is_float_table
 from .partition import shard_range
-from .table import _bytes, shard_table_, table_placement
+from .table import _bytes, shard_table_, sharded_weight, table_placement
+
+if TYPE_CHECKING:
+    from ..io.files import CheckpointSource
+    from ..layer import PLELayer
 
 __all__ = ["load_table_piece_"]
 
@@ -28,18 +35,26 @@ def _same_storage(table, dtype: torch.dtype, scale: torch.Tensor | None) -> bool
             and (scale is None or table.scale.dim() == scale.dim()))
 
 
-def _replace_table(layer, dtype: torch.dtype, scale: torch.Tensor | None):
+def _replace_table(layer, placement: str, dtype: torch.dtype, scale: torch.Tensor | None) -> Table:
     """A new sharded table of the checkpoint's storage (same mesh, placement and token layout), pieces unfilled."""
     old = layer.table
-    w = old.weight
+    new: Table
     if scale is not None or not is_float_table(dtype):
-        new = QuantizedTable.empty(old.num_rows, old.dim, scheme_of(dtype), device="meta")
+        scheme = scheme_of(dtype)
+        if scheme is None:
+            raise ValueError(f"source: the table's dtype {dtype} is neither a float nor a quantized storage")
+        new = QuantizedTable.empty(old.num_rows, old.dim, scheme, device="meta")
     else:
         new = DenseTable(old.num_rows, old.dim, device="meta", dtype=dtype)
-    shard_table_(new, w.device_mesh, table_placement(old), tokens=getattr(old, "dtensor_tokens", "replicated"),
+    shard_table_(new, sharded_weight(old).device_mesh, placement, tokens=getattr(old, "dtensor_tokens", "replicated"),
                  reduce=getattr(old, "dtensor_reduce", "mean"))
     layer.ple_embedding.ngram_embedding = new
     return new
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a sharded table's weight or scale (a DTensor)."""
+    return cast(DTensor, t).to_local()
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -49,7 +64,8 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src.to(dst.dtype))
 
 
-def load_table_piece_(layer, source, *, prefix: str | None = None, block_bytes: int | None = None) -> None:
+def load_table_piece_(layer: PLELayer, source: CheckpointSource, *, prefix: str | None = None,
+                      block_bytes: int | None = None) -> None:
     """Fill this rank's piece of ``layer``'s sharded (DTensor) table from a checkpoint (``ple.io.read_table_rows``).
 
     ``source`` and ``prefix`` are as for ``ple.io.load_layer``. Every key of the layer in
@@ -70,35 +86,39 @@ def load_table_piece_(layer, source, *, prefix: str | None = None, block_bytes: 
     kind = table_placement(table)
     if kind is None:
         raise TypeError("layer: its table is not a DTensor (apply TableRowwise / TableColwise first)")
-    mesh = table.weight.device_mesh
+    mesh = sharded_weight(table).device_mesh
     rank, W = mesh.get_local_rank(), mesh.size()
     cfg, index = layer.config, layer.ple_layer_index
     block_bytes = BLOCK_BYTES if block_bytes is None else block_bytes
     rows_total, D = table.num_rows, table.dim
-    dev = table.weight.to_local().device
-    read = dict(prefix=prefix, block_bytes=block_bytes)
+    dev = _local(table.weight).device
     if kind == "row":
         a, b = shard_range(rows_total, W, rank)
-        rows, scale = read_table_rows(source, cfg, index, start=a, end=b, device=dev, **read)
+        rows, scale = read_table_rows(source, cfg, index, start=a, end=b, device=dev, prefix=prefix,
+                                      block_bytes=block_bytes)
         if not _same_storage(table, rows.dtype, scale):
-            table = _replace_table(layer, rows.dtype, scale)
+            table = _replace_table(layer, kind, rows.dtype, scale)
         with torch.no_grad():
-            _copy(table.weight.to_local(), rows)
-            if scale is not None:
-                _copy(table.scale.to_local(), scale.reshape(table.scale.to_local().shape))
+            _copy(_local(table.weight), rows)
+            if scale is not None and table.scale is not None:            # _same_storage: both or neither
+                piece = _local(table.scale)
+                _copy(piece, scale.reshape(piece.shape))
         return
-    head, scale = read_table_rows(source, cfg, index, start=0, end=0, **read)     # checks every key first
+    head, scale = read_table_rows(source, cfg, index, start=0, end=0, prefix=prefix,
+                                  block_bytes=block_bytes)     # checks every key first
     if not _same_storage(table, head.dtype, scale):
-        table = _replace_table(layer, head.dtype, scale)
+        table = _replace_table(layer, kind, head.dtype, scale)
     c0, c1 = shard_range(D, W, rank)
-    local, local_scale = table.weight.to_local(), table.scale.to_local() if table.scale is not None else None
+    local = _local(table.weight)
+    local_scale = _local(table.scale) if table.scale is not None else None
     step = max(1, block_bytes // max(head.element_size() * D, 1))
     with torch.no_grad():
-        if local_scale is not None and local_scale.dim() == 1:                    # per tensor
+        if local_scale is not None and scale is not None and local_scale.dim() == 1:    # per tensor
             _copy(local_scale, scale.reshape(1))
         for a in range(0, rows_total, step):
             b = min(a + step, rows_total)
-            rows, s = read_table_rows(source, cfg, index, start=a, end=b, **read)
+            rows, s = read_table_rows(source, cfg, index, start=a, end=b, prefix=prefix,
+                                      block_bytes=block_bytes)
             _copy(local[a:b], rows[:, c0:c1])
-            if local_scale is not None and local_scale.dim() == 2:                # per row: every row's, replicated
+            if local_scale is not None and s is not None and local_scale.dim() == 2:    # per row, replicated
                 _copy(local_scale[a:b], s)

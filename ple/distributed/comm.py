@@ -23,6 +23,7 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["Comm", "as_comm"]
 
@@ -43,7 +44,7 @@ class Comm:
     by the peers named in them.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None):
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ple.distributed needs torch.distributed initialised "
                                "(dist.init_process_group) before a Comm is made")
@@ -61,12 +62,11 @@ class Comm:
         return f"Comm(rank={self.rank}, world_size={self.world_size}, bytes_sent={dict(self.bytes_sent)})"
 
     @property
-    def mesh(self):
+    def mesh(self) -> DeviceMesh:
         """This group as a 1-D ``DeviceMesh`` (made once), for DTensor collectives on the same ranks."""
         if getattr(self, "_mesh", None) is None:
-            from torch.distributed.device_mesh import DeviceMesh
-
             group = self.group if self.group is not None else dist.group.WORLD
+            assert group is not None, "torch.distributed is not initialised"
             self._mesh = DeviceMesh.from_group(group, "cuda" if "nccl" in self.backend else "cpu")
         return self._mesh
 
@@ -83,7 +83,8 @@ class Comm:
         self.calls[category] += 1
 
     # ---- point to point ------------------------------------------------------------------------
-    def exchange(self, sends, recvs, category: str) -> None:
+    def exchange(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]],
+                 category: str) -> None:
         """Send and receive in one batch: ``sends`` and ``recvs`` are lists of ``(peer, tensor)``.
 
         Peers are ranks within the group. Receive tensors are filled in place and must
@@ -157,13 +158,15 @@ class Comm:
         return self.all_reduce(t, category).tolist()
 
 
-def as_comm(group) -> Comm:
+GroupLike = Comm | dist.ProcessGroup | DeviceMesh | None
+"""What the ``group=`` arguments take: a `Comm`, a process group, a 1-D ``DeviceMesh``, or None (the default group)."""
+
+
+def as_comm(group: GroupLike) -> Comm:
     """A `Comm` for ``group``: a `Comm` is returned as is; a process group (``None``: the default one) or a 1-D
     ``DeviceMesh`` (its group) is wrapped."""
     if isinstance(group, Comm):
         return group
-    from torch.distributed.device_mesh import DeviceMesh
-
     if isinstance(group, DeviceMesh):
         if group.ndim != 1:
             raise ValueError(f"group: expected a 1-D DeviceMesh, got {group.ndim} dimensions")

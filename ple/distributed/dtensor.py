@@ -43,10 +43,12 @@ A rank's piece is read straight from a checkpoint with ``load_table_piece_``
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
+from torch.distributed.tensor.placement_types import Placement
 
-from .comm import Comm, as_comm
+from .comm import Comm, GroupLike, as_comm
 from .table import PLACEMENTS, shard_table_, table_placement
 
 __all__ = ["TableRowwise", "TableColwise", "parallelize_tables", "exclude_tables_from_ddp", "dense_params",
@@ -79,14 +81,14 @@ class TableRowwise(ParallelStyle):
 
     placement = "row"
 
-    def __init__(self, *, input_layouts=None, reduce: str = "mean"):
+    def __init__(self, *, input_layouts: Placement | None = None, reduce: str = "mean") -> None:
         super().__init__()
         self.tokens = _token_layout(input_layouts)
         if reduce not in ("mean", "sum"):
             raise ValueError(f"reduce: expected 'mean' or 'sum', got {reduce!r}")
         self.reduce = reduce
 
-    def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return shard_table_(module, device_mesh, self.placement, tokens=self.tokens, reduce=self.reduce,
                             src_data_rank=getattr(self, "src_data_rank", 0))
 
@@ -106,11 +108,9 @@ def _tables(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, m.ple_embedding.ngram_embedding) for name, m in module.named_modules() if isinstance(m, PLELayer)]
 
 
-def as_mesh(mesh_or_group):
+def as_mesh(mesh_or_group: GroupLike) -> DeviceMesh:
     """A 1-D ``DeviceMesh``: a mesh as it is; a `Comm`, a process group or None (the default group) as a mesh of
     its ranks (``cuda`` for NCCL, else ``cpu``)."""
-    from torch.distributed.device_mesh import DeviceMesh
-
     if isinstance(mesh_or_group, DeviceMesh):
         return mesh_or_group
     comm = mesh_or_group if isinstance(mesh_or_group, Comm) else as_comm(mesh_or_group)
@@ -135,7 +135,8 @@ def exclude_tables_from_ddp(module: nn.Module) -> nn.Module:
     return module
 
 
-def parallelize_tables(module: nn.Module, device_mesh, placement: str = "row", *, input_layouts=None,
+def parallelize_tables(module: nn.Module, device_mesh: GroupLike, placement: str = "row", *,
+                       input_layouts: Placement | None = None,
                        reduce: str = "mean") -> nn.Module:
     """Shard the table of every `PLELayer` in ``module`` (or ``module`` itself), in place; returns ``module``.
 

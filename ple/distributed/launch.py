@@ -12,7 +12,9 @@ import shutil
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,7 +39,7 @@ def _worker(rank, world_size, init_method, backend, pg_timeout, fn, args, result
             dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout: float = 120.0,
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", timeout: float = 120.0,
           pg_timeout: float | None = None) -> list:
     """``fn(rank, world_size, *args)`` on ``world_size`` new processes (``spawn`` start method).
 

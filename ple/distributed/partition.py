@@ -41,7 +41,7 @@ def shard_range(size: int, world_size: int, rank: int) -> tuple[int, int]:
     return shard_rows(size, world_size)[rank]
 
 
-def check_bounds(name: str, bounds, total: int, world_size: int) -> list[int]:
+def check_bounds(name: str, bounds: object, total: int, world_size: int) -> list[int]:
     """Validate a split: ``W + 1`` non-decreasing ints from 0 to ``total``."""
     if not isinstance(bounds, (list, tuple)) or not all(isinstance(b, int) and not isinstance(b, bool)
                                                       for b in bounds):
@@ -59,7 +59,7 @@ def fragments(starts: list[int], lo: int, hi: int) -> list[tuple[int, int, int]]
 
     ``starts`` are the request offsets (``[R + 1]``); empty requests have no piece.
     """
-    out = []
+    out: list[tuple[int, int, int]] = []
     if hi <= lo:
         return out
     r = bisect_right(starts, lo) - 1

@@ -22,28 +22,33 @@ summed loss. A sharded table's gradient is already complete for its rows.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from .. import _checks
-from .comm import Comm, as_comm
+from .comm import Comm, GroupLike, as_comm
 from .exchange import all_gather_rows, halo_exchange
 from .partition import check_bounds, even_bounds, fragments, halo_plan
-from .table import local_token_rows
+from .table import local_token_rows, sharded_weight
+
+if TYPE_CHECKING:
+    from ..layer import PLELayer
 
 __all__ = ["sp_forward", "sp_dilated_causal_conv", "sync_grads", "resolve_comm", "EXCHANGES"]
 
 EXCHANGES = ("halo", "allgather")
 
 
-def resolve_comm(layer, group) -> Comm:
+def resolve_comm(layer: PLELayer, group: GroupLike) -> Comm:
     """The `Comm` sequence parallelism runs on: ``group`` (a `Comm`, a process group or a 1-D ``DeviceMesh``), or
     without one the sharded table's mesh, or the default group.
 
     A sharded table must be split over the same ranks, in the same order.
     """
-    mesh = layer.table.weight.device_mesh if layer.table.is_dtensor else None
+    mesh = sharded_weight(layer.table).device_mesh if layer.table.is_dtensor else None
     if group is None and mesh is not None:
         return as_comm(mesh)
     comm = as_comm(group)
@@ -63,7 +68,8 @@ def _cumsum(lengths) -> list[int]:
     return out
 
 
-def local_ngram_ids(layer, input_ids: torch.Tensor, local_starts: list[int], contexts, *, validate: bool = True):
+def local_ngram_ids(layer: PLELayer, input_ids: torch.Tensor, local_starts: list[int],
+                    contexts: torch.Tensor | list[list[int]], *, validate: bool = True) -> torch.Tensor:
     """Hash ids ``[T_k, NH]`` of request pieces cut by ``local_starts``, each with its n-gram context
     (``contexts``: a ``[pieces, N-1]`` int64 tensor on the tokens' device, or nested lists)."""
     cfg = layer.config
@@ -98,8 +104,8 @@ def _host_offsets(name: str, values, total: int | None = None) -> list[int]:
     return q
 
 
-def sp_forward(layer, hidden_states: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-               group=None, *, bounds: list[int] | None = None, exchange: str = "halo",
+def sp_forward(layer: PLELayer, hidden_states: torch.Tensor, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+               group: GroupLike = None, *, bounds: list[int] | None = None, exchange: str = "halo",
                validate: bool = True) -> torch.Tensor:
     """This rank's rows of ``layer`` over a packed batch split across ranks: ``[T_k, C] -> [T_k, C]``.
 
@@ -164,8 +170,10 @@ def sp_forward(layer, hidden_states: torch.Tensor, input_ids: torch.Tensor, cu_s
     return (gated + y) + hidden_states
 
 
-def sp_dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: int, cu_seqlens, group=None,
-                           bounds: list[int] | None = None, exchange: str = "halo", ops=None) -> torch.Tensor:
+def sp_dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: int,
+                           cu_seqlens: torch.Tensor | list[int], group: GroupLike = None,
+                           bounds: list[int] | None = None, exchange: str = "halo",
+                           ops: Any = None) -> torch.Tensor:
     """`dilated_causal_conv` of a packed batch split across ranks: this rank's ``y`` rows ``[T_k, C]``.
 
     ``x`` is this rank's rows ``[T_k, C]`` of the packed ``[T, C]`` batch whose
@@ -206,7 +214,7 @@ def sp_dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: i
     return y[plan.num_recv:]
 
 
-def sync_grads(module: torch.nn.Module, group=None) -> None:
+def sync_grads(module: torch.nn.Module, group: GroupLike = None) -> None:
     """Sum every replicated parameter's gradient over the group, in place (after sequence-parallel backward).
 
     DTensor parameters (sharded tables) are skipped: their gradients are already complete for

@@ -23,21 +23,27 @@ Two exchanges of conv inputs:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .. import _checks
 from ..state.cache import PLECache, StepBatch
 from ..state.items import Decode, Spec
 from ..state.step import check_same_config, step_conv
+from .comm import GroupLike
 from .exchange import halo_exchange
 from .partition import check_bounds, even_bounds, fragments, halo_plan
 from .sequence import EXCHANGES, _cumsum, _embed, local_ngram_ids, resolve_comm
+
+if TYPE_CHECKING:
+    from ..layer import PLELayer
 
 __all__ = ["sp_step"]
 
 
 @torch.no_grad()
-def sp_step(layer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLECache, group=None, *,
+def sp_step(layer: PLELayer, hidden_states: torch.Tensor, batch: StepBatch, cache: PLECache, group: GroupLike = None, *,
             bounds: list[int] | None = None, exchange: str = "halo") -> torch.Tensor:
     """This rank's rows of ``layer.step(hidden, batch, cache)``: ``[T_k, C] -> [T_k, C]``; caches updated.
 
@@ -113,7 +119,11 @@ class _Requests:
         host = batch.host                                # the plan's host twins: nothing read back
         acc, init_d, init_p = host.num_accepted_tokens, host.has_initial_states_d, host.has_initial_states_p
         ck_off, ck_slot = host.checkpoint_offsets, host.checkpoint_slots
-        self.mode, self.slot, self.offset, self.has_initial, self.checkpoint = [], [], [], [], []
+        self.mode: list[str] = []
+        self.slot: list[int] = []
+        self.offset: list[int] = []
+        self.has_initial: list[bool] = []
+        self.checkpoint: list[tuple[int, int] | None] = []     # (tokens in, slot) of a prefill's checkpoint
         js = jd = jp = 0
         for item in batch.items:
             self.slot.append(item.slot)
@@ -178,14 +188,15 @@ def _conv_halo(ops, conv_input, out, hidden, state, weights, batch, cache, comm,
                      outer_residual=hidden, null_slot=0)
 
     # 2. States. Every rank updates every request's state, so it needs the inputs that end up there.
-    needed = set()
+    needed: set[int] = set()
     for r in range(len(req.slot)):
         a, b = starts[r], starts[r + 1]
         if b == a or req.slot[r] == null:
             continue
         needed.update(range(a if req.mode[r] == "spec" else max(a, b - S), b))
-        if req.checkpoint[r] is not None and req.checkpoint[r][1] != null:
-            off = req.checkpoint[r][0]
+        ck = req.checkpoint[r]
+        if ck is not None and ck[1] != null:
+            off = ck[0]
             needed.update(range(a + off - S, a + off))
     rows = sorted(needed)
     W = comm.world_size
@@ -209,8 +220,9 @@ def _conv_halo(ops, conv_input, out, hidden, state, weights, batch, cache, comm,
             hist = torch.cat([req.window(r, state, S, dt), inputs(max(a, b - S), b)], dim=0)
             keep = hist[hist.shape[0] - S:]
         updates.append((slot, keep))
-        if req.checkpoint[r] is not None and req.checkpoint[r][1] != null:
-            off, ck = req.checkpoint[r]
-            updates.append((ck, inputs(a + off - S, a + off)))
+        ck = req.checkpoint[r]
+        if ck is not None and ck[1] != null:
+            off, ck_slot = ck
+            updates.append((ck_slot, inputs(a + off - S, a + off)))
     for slot, keep in updates:
         state[slot, :, : keep.shape[0]] = keep.T.to(state.dtype)

@@ -44,15 +44,22 @@ no rank) and each rank gets its own tokens' rows back; an idle serving rank take
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from .. import _checks
 from ..quant import dequantize_rows
 from ..table import Table, register_dtensor_lookup
 from .partition import shard_range
+
+if TYPE_CHECKING:
+    from ..layer import PLELayer
+    from .comm import Comm
 
 __all__ = ["PLACEMENTS", "shard_table_", "table_placement", "dtensor_rows", "local_token_rows",
            "join_table_lookup"]
@@ -61,7 +68,15 @@ PLACEMENTS = ("row", "col")
 _REDUCES = ("mean", "sum")
 
 
-def table_placement(table) -> str | None:
+def sharded_weight(table: nn.Module) -> DTensor:
+    """``table.weight`` of a sharded table (a ``TypeError`` if it is not a DTensor)."""
+    w = getattr(table, "weight", None)
+    if not isinstance(w, DTensor):
+        raise TypeError(f"table: its weight is not a DTensor (got {type(w).__name__})")
+    return w
+
+
+def table_placement(table: object) -> str | None:
     """``"row"``, ``"col"`` or None (not a DTensor table)."""
     w = getattr(table, "weight", None)
     if not isinstance(w, DTensor):
@@ -104,8 +119,8 @@ def _set(table: nn.Module, name: str, value: DTensor, requires_grad: bool = Fals
         table._buffers[name] = value
 
 
-def shard_table_(table: Table, mesh, placement: str = "row", *, tokens: str = "replicated", reduce: str = "mean",
-                 src_data_rank: int | None = 0) -> Table:
+def shard_table_(table: nn.Module, mesh: DeviceMesh, placement: str = "row", *, tokens: str = "replicated",
+                 reduce: str = "mean", src_data_rank: int | None = 0) -> Table:
     """Make ``table`` (a layer's `DenseTable` or `QuantizedTable`) the sharded table on ``mesh``, in place.
 
     ``placement``: ``"row"`` or ``"col"`` (see the module docstring). ``tokens``:
@@ -142,7 +157,10 @@ def shard_table_(table: Table, mesh, placement: str = "row", *, tokens: str = "r
         _set(table, "weight", _place(w.detach(), mesh, Shard(dim), src_data_rank), requires_grad=w.requires_grad)
         if scale is not None:
             _set(table, "weight_scale", _place(scale.detach(), mesh, scale_place, src_data_rank))
-    table.dtensor_tokens, table.dtensor_reduce = tokens, reduce
+    # Plain attributes, read back by local_token_rows and load_table_piece_ (setattr: nn.Module's typed
+    # __setattr__ takes tensors and modules only).
+    setattr(table, "dtensor_tokens", tokens)  # noqa: B010
+    setattr(table, "dtensor_reduce", reduce)  # noqa: B010
     table._pending = None
     return table
 
@@ -206,7 +224,7 @@ def _collect(table, ids: torch.Tensor, ops, target) -> torch.Tensor:
         part = DTensor.from_local(_row_part(table, ids, ops), mesh, [Partial()], run_check=False)
     else:
         part = DTensor.from_local(_col_part(table, ids, ops), mesh, [Shard(2)], run_check=False,
-                                  shape=(n, NH, table.dim), stride=(NH * table.dim, table.dim, 1))
+                                  shape=torch.Size((n, NH, table.dim)), stride=(NH * table.dim, table.dim, 1))
     return part.redistribute(mesh, [target]).to_local()
 
 
@@ -243,22 +261,23 @@ def _reference_ops(ops):
 
 
 # ---- lookups -------------------------------------------------------------------------------------------
-def dtensor_rows(table, ids: torch.Tensor, dtype: torch.dtype | None = None, *, ops=None,
+def dtensor_rows(table: Table, ids: torch.Tensor, dtype: torch.dtype | None = None, *, ops: Any = None,
                  validate: bool = True) -> torch.Tensor:
     """``Table.rows`` of the sharded table: ids ``[T, NH]`` -> ``[T, NH * D]``. With replicated tokens every rank
     passes the same ids; with ``tokens="sharded"`` each its own (`local_token_rows`)."""
     ops = _reference_ops(ops)
     _check_ids(table, ids, validate)
     if getattr(table, "dtensor_tokens", "replicated") == "sharded":
-        return local_token_rows(table, ids, dtype, reduce=table.dtensor_reduce, ops=ops)
+        return local_token_rows(table, ids, dtype, reduce=getattr(table, "dtensor_reduce", "mean"), ops=ops)
     return _finish(table, _collect(table, ids, ops, Replicate()), ids, dtype, ops)
 
 
 register_dtensor_lookup(dtensor_rows)
 
 
-def local_token_rows(layer_or_table, ids: torch.Tensor, dtype: torch.dtype | None = None, *,
-                     counts: list[int] | None = None, reduce: str = "mean", ops=None, comm=None) -> torch.Tensor:
+def local_token_rows(layer_or_table: PLELayer | Table, ids: torch.Tensor, dtype: torch.dtype | None = None, *,
+                     counts: list[int] | None = None, reduce: str = "mean", ops: Any = None,
+                     comm: Comm | None = None) -> torch.Tensor:
     """Rows for this rank's own hash ids ``[T_k, NH]`` (each rank its own tokens): ``[T_k, NH * D]``.
 
     ``counts`` lists every rank's ``T_k`` (default: all-gathered, a host sync). The ids of
@@ -281,7 +300,7 @@ def local_token_rows(layer_or_table, ids: torch.Tensor, dtype: torch.dtype | Non
     if reduce not in _REDUCES:
         raise ValueError(f"reduce: expected 'mean' or 'sum', got {reduce!r}")
     ops = ops or (layer.ops if layer is not None else _reference_ops(None))
-    mesh = table.weight.device_mesh
+    mesh = sharded_weight(table).device_mesh
     _check_ids(table, ids, validate=False)
     W, rank = mesh.size(), mesh.get_local_rank()
     T, NH = ids.shape
@@ -298,7 +317,7 @@ def local_token_rows(layer_or_table, ids: torch.Tensor, dtype: torch.dtype | Non
         mesh, [Replicate()]).to_local()                                        # [W * m, NH]
     got = _collect(table, all_ids, ops, Shard(0))[:T]                          # [T, NH, width]
     if comm is not None:                        # what this rank sends: (W - 1) / W of its [W * m, NH, width_k]
-        width = got.shape[2] if table_placement(table) == "row" else table.weight.to_local().shape[1]
+        width = got.shape[2] if table_placement(table) == "row" else sharded_weight(table).to_local().shape[1]
         sent = (W - 1) * m * NH * width * got.element_size()
         comm.count("table_ids", (W - 1) * padded.numel() * padded.element_size())
         comm.count("table_rows", sent)
@@ -309,7 +328,7 @@ def local_token_rows(layer_or_table, ids: torch.Tensor, dtype: torch.dtype | Non
     return _finish(table, got, ids, dtype, ops)
 
 
-def join_table_lookup(layer) -> None:
+def join_table_lookup(layer: PLELayer) -> None:
     """Take part in the table lookups of one layer step without tokens of your own (an idle serving rank).
 
     With per-rank tokens (``input_layouts=Shard(0)``) every rank serves its own requests
@@ -321,10 +340,10 @@ def join_table_lookup(layer) -> None:
     if getattr(table, "dtensor_tokens", None) != "sharded":
         raise ValueError("layer: its table is not a DTensor with per-rank tokens (input_layouts=Shard(0)); "
                          "with replicated tokens every rank runs every step")
-    dev = table.weight.to_local().device
+    dev = sharded_weight(table).to_local().device
     with torch.no_grad():
         rows = local_token_rows(layer, torch.zeros((0, layer.config.num_ngram_heads), dtype=torch.int64,
-                                                   device=dev), reduce=table.dtensor_reduce)
+                                                   device=dev), reduce=getattr(table, "dtensor_reduce", "mean"))
         # DTensor's collectives are asynchronous until their result is used: use it, so none is left in flight
         # (an unfinished one makes gloo abort at exit).
         rows.sum()

@@ -80,8 +80,12 @@ def _check_gate(tensors, seed, eps=1e-6):
                                     eps)
     for name, a, e, x in zip(("gated", "conv_input"), act_out, exp_out, e64_out, strict=True):
         assert_close(a, e, exact64=x, name=name)
+    # An all-zero row's conv norm scales its gradients by 1 / sqrt(eps) = 1000, where they cancel: the float32
+    # reference is itself ~5e-5 from float64 there (seen: a value gradient of 1.08 in a row of 687), so float32
+    # is judged against float64 as bfloat16 is.
+    ill = dt == torch.float32 and bool((exp_out[0] == 0).all(dim=1).any())
     for name, a, e, x in zip(GATE_INPUTS, act_in, exp_in, e64_in, strict=True):
-        assert_close(a, e, exact64=x, name=f"grad {name}")
+        assert_close(a, e, exact64=x, name=f"grad {name}", judge64=ill)
 
 
 @given(T=st.integers(1, 5), M=st.integers(1, 4), H=st.sampled_from([1, 3, 5, 8, 24]),
