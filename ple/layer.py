@@ -234,11 +234,6 @@ class PLELayer(nn.Module):
         """The n-gram table, ``ple_embedding.ngram_embedding`` (a ``ple.table.Table``)."""
         return self.ple_embedding.ngram_embedding
 
-    @property
-    def sparse_table_grad(self) -> bool:
-        """Whether the table's gradient is sparse (``PLELayer(sparse_table_grad=True)``)."""
-        return self.table.sparse_grad
-
     def embed(self, ids: torch.Tensor, dtype: torch.dtype, *, validate: bool = True) -> torch.Tensor:
         """Rows of the table for hash ids ``[T, NH]``, concatenated: ``[T, E]`` in ``dtype`` (``Table.rows``).
 

@@ -87,10 +87,6 @@ class HaloPlan:
     recvs: tuple[tuple[int, int, int], ...]
     sends: tuple[tuple[int, int, int], ...]
 
-    @property
-    def num_sent_rows(self) -> int:
-        return sum(hi - lo for _, lo, hi in self.sends)
-
 
 def halo_starts(bounds: list[int], starts: list[int], history: int) -> list[int]:
     """For every rank, the global row its halo starts at (its own first row if it needs none).

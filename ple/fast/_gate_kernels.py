@@ -76,8 +76,7 @@ def _gate_fwd_kernel(
     wk_ptr, stride_wk_c, wq_ptr, stride_wq_c, wc_ptr, stride_wc_c,
     gated_ptr, stride_gated_t, stride_gated_c, conv_ptr, stride_conv_t, stride_conv_c,
     H, M, eps_hi, eps_lo, sqrt_h,
-    IS_FP64: tl.constexpr, IS_BF16: tl.constexpr, IS_FP16: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+    IS_FP64: tl.constexpr, IS_BF16: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """One token, all streams: per stream two passes over ``key`` / ``hidden`` (norms, then
     the score), then two passes over ``value`` for all streams at once (conv norm, then the
@@ -140,6 +139,19 @@ def _gate_fwd_kernel(
 
 
 @triton.jit
+def _bwd_inputs(key_ptr, stride_key_t, stride_key_c, hid_ptr, stride_hid_t, stride_hid_c,
+                dgated_ptr, stride_dgated_t, stride_dgated_c, dconv_ptr, stride_dconv_t, stride_dconv_c,
+                t, c, mask, IS_FP64: tl.constexpr):
+    """``key``, ``hidden`` and the two incoming gradients at tokens ``t`` and channels ``c`` (offsets broadcast
+    together) where ``mask``, else 0, in the accumulation dtype: what both backward kernels read per element."""
+    k = to_acc(tl.load(key_ptr + t * stride_key_t + c * stride_key_c, mask=mask, other=0.0), IS_FP64)
+    q = to_acc(tl.load(hid_ptr + t * stride_hid_t + c * stride_hid_c, mask=mask, other=0.0), IS_FP64)
+    dxo = to_acc(tl.load(dgated_ptr + t * stride_dgated_t + c * stride_dgated_c, mask=mask, other=0.0), IS_FP64)
+    dy = to_acc(tl.load(dconv_ptr + t * stride_dconv_t + c * stride_dconv_c, mask=mask, other=0.0), IS_FP64)
+    return k, q, dxo, dy
+
+
+@triton.jit
 def _gate_stats_kernel(
     key_ptr, stride_key_t, stride_key_c, value_ptr, stride_value_t, stride_value_h,
     hid_ptr, stride_hid_t, stride_hid_c,
@@ -179,12 +191,9 @@ def _gate_stats_kernel(
             hlim = tl.where(t < T, H, 0)        # live channels of a live token
             hm = (h < hlim)[None, :]
             msk = live_m & hm
-            k = to_acc(tl.load(key_ptr + t * stride_key_t + c * stride_key_c, mask=msk, other=0.0), IS_FP64)
-            q = to_acc(tl.load(hid_ptr + t * stride_hid_t + c * stride_hid_c, mask=msk, other=0.0), IS_FP64)
-            dxo = to_acc(tl.load(dgated_ptr + t * stride_dgated_t + c * stride_dgated_c, mask=msk, other=0.0),
-                          IS_FP64)
-            dy = to_acc(tl.load(dconv_ptr + t * stride_dconv_t + c * stride_dconv_c, mask=msk, other=0.0),
-                         IS_FP64)
+            k, q, dxo, dy = _bwd_inputs(key_ptr, stride_key_t, stride_key_c, hid_ptr, stride_hid_t, stride_hid_c,
+                                        dgated_ptr, stride_dgated_t, stride_dgated_c,
+                                        dconv_ptr, stride_dconv_t, stride_dconv_c, t, c, msk, IS_FP64)
             # value broadcast over the streams' rows (L1 serves the repeats; each row sums it alike)
             v = to_acc(tl.load(value_ptr + t * stride_value_t + (h * stride_value_h)[None, :] + 0 * rows[:, None],
                                 mask=hm, other=0.0), IS_FP64)
@@ -275,12 +284,9 @@ def _gate_bwd_kernel(
         wc1 = 1.0 + to_acc(tl.load(wc_ptr + c * stride_wc_c, mask=hm, other=0.0), IS_FP64)
         wkq = (wk1 * wq1)[None, :]
         c2 = c[None, :]
-        k = to_acc(tl.load(key_ptr + tok2 * stride_key_t + c2 * stride_key_c, mask=msk, other=0.0), IS_FP64)
-        q = to_acc(tl.load(hid_ptr + tok2 * stride_hid_t + c2 * stride_hid_c, mask=msk, other=0.0), IS_FP64)
-        dxo = to_acc(tl.load(dgated_ptr + tok2 * stride_dgated_t + c2 * stride_dgated_c, mask=msk, other=0.0),
-                      IS_FP64)
-        dy = to_acc(tl.load(dconv_ptr + tok2 * stride_dconv_t + c2 * stride_dconv_c, mask=msk, other=0.0),
-                     IS_FP64)
+        k, q, dxo, dy = _bwd_inputs(key_ptr, stride_key_t, stride_key_c, hid_ptr, stride_hid_t, stride_hid_c,
+                                    dgated_ptr, stride_dgated_t, stride_dgated_c,
+                                    dconv_ptr, stride_dconv_t, stride_dconv_c, tok2, c2, msk, IS_FP64)
         dk = alpha * wkq * q - beta_k * k
         dq = alpha * wkq * k - beta_q * q
         tl.store(dk_ptr + tok2 * C + c2, round_io(dk, IS_BF16, IS_FP16), mask=msk)

@@ -9,7 +9,8 @@ the gate's backward recomputes the forward). The sums over ``H`` stay in the ker
 (chunked per kernel) is the kernel's own.
 
 `row_scalars` is the prefill kernels' gate of a block of rows (``g`` and the conv norm's ``r_x`` per
-row, three loops over ``H`` in chunks of `BLOCK_H`); `BLOCK_H` and `STATE_WARPS` are the prefill
+row, three loops over ``H`` in chunks of `BLOCK_H`); `conv_norm_chunk` and `conv_rows` give those rows'
+gated values and conv inputs, one chunk of ``H`` at a time. `BLOCK_H` and `STATE_WARPS` are the prefill
 kernels' tile across ``H``, shared with ``prefill_inputs`` so its sums run in the state kernel's order.
 """
 
@@ -21,7 +22,7 @@ import triton.language as tl
 from ._numerics import rnd, rsqrt, to_acc, up
 
 __all__ = ["BLOCK_H", "STATE_WARPS", "gate_clamp", "gate_of", "norm_product", "score_gate", "gated",
-           "conv_input", "row_scalars"]
+           "conv_input", "row_scalars", "conv_norm_chunk", "conv_rows"]
 
 BLOCK_H = 32            # the prefill kernels: channels of H per chunk
 STATE_WARPS = 2         # the prefill state kernel's [next_power_of_2(S), BLOCK_H] tiles: 8 channels per thread
@@ -82,7 +83,7 @@ def conv_input(xr, wc1, XT: tl.constexpr, IS_BF16: tl.constexpr, IS_FP64: tl.con
 def row_scalars(key_ptr, value_ptr, hid_ptr, wk_ptr, wq_ptr, prow, rmask, m, H,
                 stride_key_t, stride_key_c, stride_value_t, stride_value_h, stride_hid_t, stride_hid_c,
                 stride_wk_c, stride_wq_c, eps, sqrt_h,
-                XT: tl.constexpr, IS_BF16: tl.constexpr, IS_W_BF16: tl.constexpr, IS_FP64: tl.constexpr,
+                XT: tl.constexpr, IS_BF16: tl.constexpr, IS_FP64: tl.constexpr,
                 BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
     """Per physical row ``prow`` (where ``rmask``) of stream ``m``: the gate ``g`` and the conv norm's factor
     ``r_x`` (three loops over H: the two norms' sums of squares, the score, the conv norm's sum of squares)."""
@@ -129,3 +130,24 @@ def row_scalars(key_ptr, value_ptr, hid_ptr, wk_ptr, wq_ptr, prow, rmask, m, H,
         sx += tl.sum(x * x, 1)
     r_x = rsqrt(sx / H + eps, IS_FP64)
     return g, r_x
+
+
+@triton.jit
+def conv_norm_chunk(wc_ptr, stride_wc_c, m, H, h, IS_FP64: tl.constexpr):
+    """A chunk ``h`` of stream ``m``'s channels of H: ``(h < H, the channels m * H + h, 1 + w_c there)``."""
+    hm = h < H
+    c = m * H + h
+    wc1 = 1.0 + to_acc(tl.load(wc_ptr + c * stride_wc_c, mask=hm, other=0.0), IS_FP64)
+    return hm, c, wc1
+
+
+@triton.jit
+def conv_rows(value_ptr, stride_value_t, stride_value_h, prow, rmask, h, hm, g, r_x, wc1,
+              XT: tl.constexpr, IS_BF16: tl.constexpr, IS_FP64: tl.constexpr):
+    """``(x, u)``: the gated values and conv inputs (`gated`, `conv_input`; ``[rows, chunk]``) of physical rows
+    ``prow`` (where ``rmask``, else 0) with gates ``g`` and conv-norm factors ``r_x``, at the chunk of
+    `conv_norm_chunk` (``wc1 = 1 + w_c``)."""
+    v = up(tl.load(value_ptr + prow[:, None] * stride_value_t + h[None, :] * stride_value_h,
+                   mask=rmask[:, None] & hm[None, :], other=0.0), IS_BF16, IS_FP64)
+    x = gated(g[:, None], v, XT, IS_BF16, IS_FP64)
+    return x, conv_input(x * r_x[:, None], wc1[None, :], XT, IS_BF16, IS_FP64)

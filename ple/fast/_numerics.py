@@ -11,10 +11,10 @@
   ``torch.promote_types(dtype, float32)``, i.e. float32, or float64 for float64 inputs.
   Kernels get it as the ``IS_FP64`` flag (`is_fp64`); `to_acc`, `rsqrt` and `scalars` (``eps``
   and ``sqrt(H)``, the host passing ``eps`` as two float32 halves, `eps_parts`) compute in it.
-* **Block sizes and tiles.** `pow2_block` (the next power of two, capped), `block_c` (channels
-  per conv program), and the conv kernels' time tiles of variable-length requests, found on
-  the device: `tile_grid` (how many programs, from shapes only) and `tile_of` (the request and
-  first position of a program's tile, by a binary search over the device offsets).
+* **Block sizes and tiles.** `pow2_block` (the next power of two, capped), and the conv
+  kernels' time tiles of variable-length requests, found on the device: `tile_grid` (how many
+  programs, from shapes only) and `tile_of` (the request and first position of a program's
+  tile, by a binary search over the device offsets; `search_steps` its loop count).
 * **Deterministic mode.** `deterministic` is PyTorch's own switch,
   ``torch.use_deterministic_algorithms(True)``: while it is on, every backward kernel of
   ``ple.fast`` reduces in a fixed order with no float atomics (table gradient, conv ``dW``,
@@ -31,9 +31,8 @@ import triton.language as tl
 from ..reference.gate import acc_dtype
 
 __all__ = ["acc_dtype", "is_fp64", "deterministic", "DETERMINISTIC_CHUNK",
-           "pow2_block", "block_c", "tile_grid", "search_steps", "tile_of", "TIME_BLOCK",
-           "MAX_BLOCK_C", "bf16_to_f32", "f32_to_bf16", "round_bf16", "up", "down",
-           "rnd", "convert", "silu", "round_io", "to_acc", "rsqrt", "scalars", "eps_parts"]
+           "pow2_block", "tile_grid", "search_steps", "tile_of", "bf16_to_f32", "f32_to_bf16", "round_bf16",
+           "up", "down", "rnd", "convert", "silu", "round_io", "to_acc", "rsqrt", "scalars", "eps_parts"]
 
 
 def is_fp64(dtype: torch.dtype) -> bool:
@@ -182,15 +181,7 @@ def eps_parts(eps: float) -> tuple[float, float]:
     return hi, lo
 
 
-# ---- tiles of the conv kernels (host side) --------------------------------------------------------
-
-TIME_BLOCK = 32          # rows per prefill / training time tile
-MAX_BLOCK_C = 128        # channels per conv program
-
-
-def block_c(C: int) -> int:
-    """Channels per conv program."""
-    return pow2_block(C, MAX_BLOCK_C)
+# ---- tiles of the conv kernels --------------------------------------------------------------------
 
 
 def search_steps(num_requests: int) -> int:

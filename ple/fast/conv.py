@@ -164,7 +164,8 @@ def _step_out_kernel(
         x_at = x_ptr + row * stride_x_t + c * stride_x_c
         s_at = state_at + (S + src) * stride_state_w
         if IS_STATE_SAME_DTYPE:                                 # one load, from either buffer
-            hist = hist + (tl.load(tl.where(in_step, x_at, s_at), mask=tl.where(in_step, live, init), other=0.0),)  # type: ignore[assignment]  # Triton: a tuple grown per step
+            hv = tl.load(tl.where(in_step, x_at, s_at), mask=tl.where(in_step, live, init), other=0.0)
+            hist = hist + (hv,)  # type: ignore[assignment]  # Triton: a tuple grown per step
         else:
             xv = tl.load(x_at, mask=live & in_step, other=0.0)
             sv = convert(tl.load(s_at, mask=init & ((zc + src) < 0), other=0.0), XT, IS_STATE_BF16, IS_X_BF16)
@@ -174,7 +175,8 @@ def _step_out_kernel(
         p = t0 + i
         m_o = cmask & ((zc + p) < n)
         row = row_of(rows_ptr, stride_rows_t, lo, n, p, HAS_TOKEN_INDICES)
-        hist = hist + (tl.load(x_ptr + row * stride_x_t + c * stride_x_c, mask=m_o & live, other=0.0),)  # type: ignore[assignment]  # Triton: a tuple grown per step
+        xv = tl.load(x_ptr + row * stride_x_t + c * stride_x_c, mask=m_o & live, other=0.0)
+        hist = hist + (xv,)  # type: ignore[assignment]  # Triton: a tuple grown per step
         acc = tl.zeros([BLOCK_C], dtype=tl.float32)
         if IS_FP64:
             acc = acc.to(tl.float64)
@@ -323,8 +325,8 @@ def _ple_conv_fwd(inputs, residual, conv_state, conv_weights, state_indices, mod
         HAS_OUTER_RESIDUAL=outer_residual is not None, IS_FP64=is_fp64(inputs.dtype), **weight_args(conv_weights))
     if MODE != PREFILL.value:
         nat = num_accepted_tokens if MODE == SPEC.value else placeholder
-        launch_fused_step(dict(args, **outputs, nat_ptr=nat, stride_nat_r=nat.stride(0),
-                               IS_INIT_DEFAULT=1), R, C, MODE, spec_query_len)
+        launch_fused_step(dict(args, **outputs, nat_ptr=nat, stride_nat_r=nat.stride(0)), R, C, MODE,
+                          spec_query_len)
         return
     bc = pow2_block(C, FUSED_BLOCK_C)
     _step_out_kernel[(tile_grid(num_rows, R, PREFILL_BLOCK_T), triton.cdiv(C, bc))](

@@ -55,9 +55,10 @@ FUSED_WARPS = 4
 
 
 @triton.jit
-def history_source(r, init_ptr, stride_init_r, nat_ptr, stride_nat_r,
-                   MODE: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, IS_INIT_DEFAULT: tl.constexpr):
-    """(reads the state? as a nonzero int, first state column of the history) for request ``r``."""
+def history_source(r, init_ptr, stride_init_r, nat_ptr, stride_nat_r, MODE: tl.constexpr,
+                   HAS_INIT_FLAGS: tl.constexpr):
+    """(reads the state? as a nonzero int, first state column of the history) for decode / spec request ``r``
+    (decode without ``has_initial_states``: every request reads its state)."""
     if MODE == SPEC:
         off = tl.load(nat_ptr + r * stride_nat_r).to(tl.int64) - 1
         flag = r * 0 + 1                                        # spec always reads its history
@@ -66,7 +67,7 @@ def history_source(r, init_ptr, stride_init_r, nat_ptr, stride_nat_r,
         if HAS_INIT_FLAGS:
             flag = tl.load(init_ptr + r * stride_init_r).to(tl.int64)
         else:
-            flag = r * 0 + IS_INIT_DEFAULT
+            flag = r * 0 + 1
     return flag, off
 
 
@@ -115,11 +116,12 @@ def load_taps(w_ptr, c, stride_w_c, stride_w_k, mask, K: tl.constexpr, IS_W_BF16
         word = tl.load(w_ptr + c * stride_w_c, mask=mask, other=0)
         for j in tl.static_range(K):
             bits = ((word >> (16 * j)) & 0xFFFF).to(tl.uint32) << 16
-            taps = taps + (up(bits.to(tl.float32, bitcast=True), False, IS_FP64),)  # type: ignore[assignment]  # Triton: a tuple grown per step
+            tap = up(bits.to(tl.float32, bitcast=True), False, IS_FP64)
+            taps = taps + (tap,)  # type: ignore[assignment]  # Triton: a tuple grown per step
     else:
         for j in tl.static_range(K):
-            taps = taps + (up(tl.load(w_ptr + c * stride_w_c + j * stride_w_k, mask=mask, other=0.0), IS_W_BF16,  # type: ignore[assignment]  # Triton: a tuple grown per step
-                              IS_FP64),)
+            tap = up(tl.load(w_ptr + c * stride_w_c + j * stride_w_k, mask=mask, other=0.0), IS_W_BF16, IS_FP64)
+            taps = taps + (tap,)  # type: ignore[assignment]  # Triton: a tuple grown per step
     return taps
 
 
@@ -132,8 +134,7 @@ def _step_fused_kernel(
     stride_state_n, stride_state_c, stride_state_w, stride_w_c, stride_w_k,
     stride_slot_r, stride_qsl_r, stride_init_r, stride_nat_r, stride_rows_t,
     K: tl.constexpr, DILATION: tl.constexpr, MODE: tl.constexpr, Q: tl.constexpr,
-    HAS_INIT_FLAGS: tl.constexpr, IS_INIT_DEFAULT: tl.constexpr,
-    HAS_TOKEN_INDICES: tl.constexpr, HAS_OUTER_RESIDUAL: tl.constexpr,
+    HAS_INIT_FLAGS: tl.constexpr, HAS_TOKEN_INDICES: tl.constexpr, HAS_OUTER_RESIDUAL: tl.constexpr,
     IS_X_BF16: tl.constexpr, IS_STATE_BF16: tl.constexpr, IS_W_BF16: tl.constexpr,
     IS_STATE_SAME_DTYPE: tl.constexpr, IS_FP64: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
@@ -149,8 +150,7 @@ def _step_fused_kernel(
         lo = tl.load(qsl_ptr + r * stride_qsl_r).to(tl.int64)
         n = tl.load(qsl_ptr + (r + 1) * stride_qsl_r).to(tl.int64) - lo
     slot = tl.load(slot_ptr + r * stride_slot_r).to(tl.int64)
-    flag, off = history_source(r, init_ptr, stride_init_r, nat_ptr, stride_nat_r, MODE, HAS_INIT_FLAGS,
-                               IS_INIT_DEFAULT)
+    flag, off = history_source(r, init_ptr, stride_init_r, nat_ptr, stride_nat_r, MODE, HAS_INIT_FLAGS)
     c = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     zc = tl.zeros([BLOCK_C], dtype=tl.int64)                    # predicates as [BC] vectors
     live = ((zc + slot) != null_slot) & (c < C)                 # null slot: never read or written
@@ -169,11 +169,13 @@ def _step_fused_kernel(
     for i in tl.static_range(Q):                                # hist[S + i]: the request's row i
         row = row_of(rows_ptr, stride_rows_t, lo, n, i, HAS_TOKEN_INDICES)
         m_i = (c < C) & ((zc + i) < n)
-        hist = hist + (tl.load(x_ptr + row * stride_x_t + c * stride_x_c, mask=m_i & live, other=0.0),)  # type: ignore[assignment]  # Triton: a tuple grown per step
-        res = res + (tl.load(res_ptr + row * stride_res_t + c * stride_res_c, mask=m_i, other=0.0),)  # type: ignore[assignment]  # Triton: a tuple grown per step
+        xv = tl.load(x_ptr + row * stride_x_t + c * stride_x_c, mask=m_i & live, other=0.0)
+        hist = hist + (xv,)  # type: ignore[assignment]  # Triton: a tuple grown per step
+        rv = tl.load(res_ptr + row * stride_res_t + c * stride_res_c, mask=m_i, other=0.0)
+        res = res + (rv,)  # type: ignore[assignment]  # Triton: a tuple grown per step
         if HAS_OUTER_RESIDUAL:
-            outer = outer + (tl.load(outer_ptr + row * stride_outer_t + c * stride_outer_c, mask=m_i,  # type: ignore[assignment]  # Triton: a tuple grown per step
-                                     other=0.0),)
+            ov = tl.load(outer_ptr + row * stride_outer_t + c * stride_outer_c, mask=m_i, other=0.0)
+            outer = outer + (ov,)  # type: ignore[assignment]  # Triton: a tuple grown per step
 
     taps = load_taps(w_ptr, c, stride_w_c, stride_w_k, live, K, IS_W_BF16, IS_FP64)
 

@@ -117,8 +117,8 @@ def _gate_fwd(key, value, hidden_states, wk, wq, wc, eps):
     _gate_fwd_kernel[(T,)](
         gated_ptr=gated, stride_gated_t=gated.stride(0), stride_gated_c=gated.stride(1),
         conv_ptr=conv_input, stride_conv_t=conv_input.stride(0), stride_conv_c=conv_input.stride(1),
-        H=H, M=M, eps_hi=eps_hi, eps_lo=eps_lo, sqrt_h=math.sqrt(H), **_dtype_flags(key.dtype),
-        CHUNK=chunk, BLOCK_M=triton.next_power_of_2(M), num_warps=_warps(chunk),
+        H=H, M=M, eps_hi=eps_hi, eps_lo=eps_lo, sqrt_h=math.sqrt(H), IS_FP64=is_fp64(key.dtype),
+        IS_BF16=key.dtype == torch.bfloat16, CHUNK=chunk, BLOCK_M=triton.next_power_of_2(M), num_warps=_warps(chunk),
         **_input_args(key, value, hidden_states, wk, wq, wc))
     return gated, conv_input
 

@@ -60,9 +60,9 @@ from ..reference import prefill as _reference
 from . import _numerics
 from . import gate as _gate
 from . import training_conv as _tconv
-from ._gate_math import BLOCK_H, STATE_WARPS, conv_input, gated, row_scalars
+from ._gate_math import BLOCK_H, STATE_WARPS, conv_norm_chunk, conv_rows, row_scalars
 from ._library import register, twin
-from ._numerics import convert, down, rnd, scalars, silu, tile_of, to_acc, up
+from ._numerics import convert, down, rnd, scalars, silu, tile_of, up
 from .prefill_inputs import prefill_conv_inputs
 
 __all__ = ["ple_prefill", "prefill_conv_inputs"]
@@ -136,8 +136,7 @@ def _prefill_kernel(
     prow = _physical(rows_ptr, stride_rows_t, lo + p, rmask, HAS_TOKEN_INDICES)
     g, r_x = row_scalars(key_ptr, value_ptr, hid_ptr, wk_ptr, wq_ptr, prow, rmask, m, H,
                          stride_key_t, stride_key_c, stride_value_t, stride_value_h, stride_hid_t, stride_hid_c,
-                         stride_wk_c, stride_wq_c, eps, root, XT, IS_BF16, IS_W_BF16, IS_FP64,
-                         BLOCK_R, BLOCK_H)
+                         stride_wk_c, stride_wq_c, eps, root, XT, IS_BF16, IS_FP64, BLOCK_R, BLOCK_H)
     zt = p * 0
     if SERVING:
         slot = tl.load(slot_ptr + r * stride_slot_r).to(tl.int64)
@@ -151,9 +150,7 @@ def _prefill_kernel(
     hh = tl.arange(0, BLOCK_H).to(tl.int64)
     for h0 in range(0, H, BLOCK_H):
         h = h0 + hh
-        hm = h < H
-        c = m * H + h
-        wc1 = 1.0 + to_acc(tl.load(wc_ptr + c * stride_wc_c, mask=hm, other=0.0), IS_FP64)
+        hm, c, wc1 = conv_norm_chunk(wc_ptr, stride_wc_c, m, H, h, IS_FP64)
         acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
         if IS_FP64:
             acc = acc.to(tl.float64)
@@ -172,10 +169,8 @@ def _prefill_kernel(
                 kf = _keep_of(keep_ptr, stride_keep_t, srow, in_req, HAS_KEEP, IS_FP64)
                 gs = _shift(g, i, lag)
                 rs = _shift(r_x, i, lag)
-            v = up(tl.load(value_ptr + srow[:, None] * stride_value_t + h[None, :] * stride_value_h,
-                           mask=in_req[:, None] & hm[None, :], other=0.0), IS_BF16, IS_FP64)
-            x = gated(gs[:, None], v, XT, IS_BF16, IS_FP64)
-            u = conv_input(x * rs[:, None], wc1[None, :], XT, IS_BF16, IS_FP64)
+            x, u = conv_rows(value_ptr, stride_value_t, stride_value_h, srow, in_req, h, hm, gs, rs, wc1,
+                             XT, IS_BF16, IS_FP64)
             if HAS_KEEP:
                 u = u * kf[:, None]
             if SERVING:
@@ -214,8 +209,7 @@ def _prefill_state_kernel(
     stride_slot_r, stride_qsl_r, stride_init_r, stride_rows_t, stride_keep_t,
     K: tl.constexpr, DILATION: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     HAS_TOKEN_INDICES: tl.constexpr, HAS_KEEP: tl.constexpr,
-    IS_BF16: tl.constexpr, IS_W_BF16: tl.constexpr, IS_STATE_BF16: tl.constexpr,
-    IS_STATE_SAME_DTYPE: tl.constexpr, IS_FP64: tl.constexpr,
+    IS_BF16: tl.constexpr, IS_STATE_BF16: tl.constexpr, IS_STATE_SAME_DTYPE: tl.constexpr, IS_FP64: tl.constexpr,
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """New columns ``[0, S)`` of request ``program_id(0)``'s slot, stream ``program_id(1)``'s channels."""
@@ -241,20 +235,16 @@ def _prefill_state_kernel(
     prow = _physical(rows_ptr, stride_rows_t, lo + p, from_x, HAS_TOKEN_INDICES)
     g, r_x = row_scalars(key_ptr, value_ptr, hid_ptr, wk_ptr, wq_ptr, prow, from_x, m, H,
                          stride_key_t, stride_key_c, stride_value_t, stride_value_h, stride_hid_t, stride_hid_c,
-                         stride_wk_c, stride_wq_c, eps, root, XT, IS_BF16, IS_W_BF16, IS_FP64,
-                         BLOCK_S, BLOCK_H)
+                         stride_wk_c, stride_wq_c, eps, root, XT, IS_BF16, IS_FP64, BLOCK_S, BLOCK_H)
     kf = _keep_of(keep_ptr, stride_keep_t, prow, from_x, HAS_KEEP, IS_FP64)
     state_row = state_ptr + slot * stride_state_n
     hh = tl.arange(0, BLOCK_H).to(tl.int64)
     for h0 in range(0, H, BLOCK_H):
         h = h0 + hh
-        hm = h < H
-        c = m * H + h
-        wc1 = 1.0 + to_acc(tl.load(wc_ptr + c * stride_wc_c, mask=hm, other=0.0), IS_FP64)
-        v = up(tl.load(value_ptr + prow[:, None] * stride_value_t + h[None, :] * stride_value_h,
-                       mask=from_x[:, None] & hm[None, :], other=0.0), IS_BF16, IS_FP64)
-        x = gated(g[:, None], v, XT, IS_BF16, IS_FP64)
-        u = down(conv_input(x * r_x[:, None], wc1[None, :], XT, IS_BF16, IS_FP64) * kf[:, None], XT, IS_BF16)
+        hm, c, wc1 = conv_norm_chunk(wc_ptr, stride_wc_c, m, H, h, IS_FP64)
+        _, u = conv_rows(value_ptr, stride_value_t, stride_value_h, prow, from_x, h, hm, g, r_x, wc1,
+                         XT, IS_BF16, IS_FP64)
+        u = down(u * kf[:, None], XT, IS_BF16)
         sv = tl.load(state_row + (n + i)[:, None] * stride_state_w + c[None, :] * stride_state_c,
                      mask=from_state[:, None] & hm[None, :], other=0.0)
         if IS_STATE_SAME_DTYPE:
@@ -329,7 +319,7 @@ def _prefill_fwd(key, value, hidden_states, wk, wq, wc, eps, conv_weights, dilat
     if serving and S > 0:
         # Launched after every output is computed: the outputs above read only old states.
         _prefill_state_kernel[(R, M)](
-            IS_W_BF16=False, BLOCK_S=triton.next_power_of_2(S), **index_args,
+            BLOCK_S=triton.next_power_of_2(S), **index_args,
             **dict(common, num_warps=STATE_WARPS))
     return out
 
@@ -356,9 +346,8 @@ def _prefill_bwd(dout, key, value, hidden_states, wk, wq, wc, eps, conv_weights,
 def _check_values(key, conv_weights, dilation, query_start_loc, conv_state, state_indices, has_initial_states,
                   token_indices, null_slot):
     _checks.prefill_values(key, conv_weights, dilation=dilation, query_start_loc=query_start_loc,
-                              conv_state=conv_state, state_indices=state_indices,
-                              has_initial_states=has_initial_states, token_indices=token_indices,
-                              null_slot=null_slot)
+                           conv_state=conv_state, state_indices=state_indices,
+                           has_initial_states=has_initial_states, token_indices=token_indices, null_slot=null_slot)
 
 
 def _fwd_impl(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor, norm_key_weight: torch.Tensor,
@@ -438,9 +427,9 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
                 token_indices: torch.Tensor | None = None, null_slot: int = 0,
                 validate: bool = True) -> torch.Tensor:
     _checks.prefill_meta(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
-                            conv_weights, dilation=dilation, query_start_loc=query_start_loc, keep=keep,
-                            conv_state=conv_state, state_indices=state_indices,
-                            has_initial_states=has_initial_states, token_indices=token_indices, null_slot=null_slot)
+                         conv_weights, dilation=dilation, query_start_loc=query_start_loc, keep=keep,
+                         conv_state=conv_state, state_indices=state_indices,
+                         has_initial_states=has_initial_states, token_indices=token_indices, null_slot=null_slot)
     if conv_state is None:
         return _fwd_op(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, float(eps),
                        conv_weights, dilation, query_start_loc, keep, bool(validate))

@@ -1,11 +1,12 @@
 """``prefill_conv_inputs``: the conv inputs a serving ``ple_prefill`` writes into the conv state, for tests.
 
 ``ple.fast.prefill``'s state kernel recomputes each new state column, the conv input of one position,
-from ``key``, ``value`` and ``hidden_states`` (``_gate_math.row_scalars``, then ``conv_input``) at its
-own tile shape, ``[next_power_of_2(S), BLOCK_H]`` with ``STATE_WARPS`` warps. ``_conv_inputs_kernel``
-runs the same code at the same shape over every row, so a test can check a state against the conv
-inputs of its history bit for bit (``ple.testing.serving.replay``). Test-only: no op registration, no
-autograd. Public as ``ple.fast.prefill_conv_inputs`` (and ``ple.fast.prefill.prefill_conv_inputs``).
+from ``key``, ``value`` and ``hidden_states`` (``_gate_math.row_scalars``, then ``conv_norm_chunk`` and
+``conv_rows`` per chunk of H) at its own tile shape, ``[next_power_of_2(S), BLOCK_H]`` with
+``STATE_WARPS`` warps. ``_conv_inputs_kernel`` runs the same code at the same shape over every row, so
+a test can check a state against the conv inputs of its history bit for bit
+(``ple.testing.serving.replay``). Test-only: no op registration, no autograd. Public as
+``ple.fast.prefill_conv_inputs`` (and ``ple.fast.prefill.prefill_conv_inputs``).
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._gate_math import BLOCK_H, STATE_WARPS, conv_input, gated, row_scalars
-from ._numerics import down, eps_parts, is_fp64, scalars, to_acc, up
+from ._gate_math import BLOCK_H, STATE_WARPS, conv_norm_chunk, conv_rows, row_scalars
+from ._numerics import down, eps_parts, is_fp64, scalars
 
 __all__ = ["prefill_conv_inputs"]
 
@@ -28,8 +29,7 @@ def _conv_inputs_kernel(
     T, H, eps_hi, eps_lo, sqrt_h,
     stride_key_t, stride_key_c, stride_value_t, stride_value_h, stride_hid_t, stride_hid_c,
     stride_wk_c, stride_wq_c, stride_wc_c, stride_out_t, stride_out_c,
-    IS_BF16: tl.constexpr, IS_W_BF16: tl.constexpr, IS_FP64: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
+    IS_BF16: tl.constexpr, IS_FP64: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     """Conv inputs of ``BLOCK_S`` rows, stream ``program_id(1)``: the state kernel's arithmetic and tile shape."""
     XT = key_ptr.dtype.element_ty
@@ -39,20 +39,15 @@ def _conv_inputs_kernel(
     rmask = prow < T
     g, r_x = row_scalars(key_ptr, value_ptr, hid_ptr, wk_ptr, wq_ptr, prow, rmask, m, H,
                          stride_key_t, stride_key_c, stride_value_t, stride_value_h, stride_hid_t, stride_hid_c,
-                         stride_wk_c, stride_wq_c, eps, root, XT, IS_BF16, IS_W_BF16, IS_FP64,
-                         BLOCK_S, BLOCK_H)
+                         stride_wk_c, stride_wq_c, eps, root, XT, IS_BF16, IS_FP64, BLOCK_S, BLOCK_H)
     hh = tl.arange(0, BLOCK_H).to(tl.int64)
     for h0 in range(0, H, BLOCK_H):
         h = h0 + hh
-        hm = h < H
-        c = m * H + h
-        wc1 = 1.0 + to_acc(tl.load(wc_ptr + c * stride_wc_c, mask=hm, other=0.0), IS_FP64)
-        msk = rmask[:, None] & hm[None, :]
-        v = up(tl.load(value_ptr + prow[:, None] * stride_value_t + h[None, :] * stride_value_h, mask=msk,
-                       other=0.0), IS_BF16, IS_FP64)
-        x = gated(g[:, None], v, XT, IS_BF16, IS_FP64)
-        u = down(conv_input(x * r_x[:, None], wc1[None, :], XT, IS_BF16, IS_FP64), XT, IS_BF16)
-        tl.store(out_ptr + prow[:, None] * stride_out_t + c[None, :] * stride_out_c, u, mask=msk)
+        hm, c, wc1 = conv_norm_chunk(wc_ptr, stride_wc_c, m, H, h, IS_FP64)
+        _, u = conv_rows(value_ptr, stride_value_t, stride_value_h, prow, rmask, h, hm, g, r_x, wc1,
+                         XT, IS_BF16, IS_FP64)
+        tl.store(out_ptr + prow[:, None] * stride_out_t + c[None, :] * stride_out_c, down(u, XT, IS_BF16),
+                 mask=rmask[:, None] & hm[None, :])
 
 
 def prefill_conv_inputs(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor,
@@ -80,6 +75,6 @@ def prefill_conv_inputs(key: torch.Tensor, value: torch.Tensor, hidden_states: t
         stride_value_h=value.stride(1), stride_hid_t=hidden_states.stride(0), stride_hid_c=hidden_states.stride(1),
         stride_wk_c=wk.stride(0), stride_wq_c=wq.stride(0), stride_wc_c=wc.stride(0),
         stride_out_t=out.stride(0), stride_out_c=out.stride(1),
-        IS_BF16=key.dtype == torch.bfloat16, IS_W_BF16=False, IS_FP64=is_fp64(key.dtype),
+        IS_BF16=key.dtype == torch.bfloat16, IS_FP64=is_fp64(key.dtype),
         BLOCK_S=block, BLOCK_H=BLOCK_H, num_warps=STATE_WARPS)
     return out

@@ -27,8 +27,7 @@ from .policy import mark_config, mark_metadata, problems_of, refuse_unless_ple_o
 from .save import CheckpointTable, parse_table_dtype, prepare_dst, table_entries, tensor_entry, write_checkpoint
 
 if TYPE_CHECKING:
-    from .load import ConfigSource
-    from .save import TableDtype
+    from .files import ConfigSource, TableDtype
 
 __all__ = ["convert", "WEIGHT_SUFFIXES"]
 

@@ -42,9 +42,17 @@ __all__ = ["TensorInfo", "Checkpoint", "Entry", "write_file", "write_files", "IN
 if TYPE_CHECKING:
     from typing import TypeAlias
 
+    from ..config import PLEConfig
+    from ..quant import Scheme
+
+    # The argument types of ``ple.io``'s entry points, one home for all (annotations only).
     # What `Checkpoint.open` takes: a file, a directory, an index file, a list of files, or a Checkpoint.
     CheckpointSource: TypeAlias = ("str | os.PathLike[str] | list[str | os.PathLike[str]] "
                                    "| tuple[str | os.PathLike[str], ...] | Checkpoint")
+    # What ``config=`` takes: a PLEConfig, a dict, a preset name or a config.json path (None: found).
+    ConfigSource: TypeAlias = "PLEConfig | dict[str, Any] | str | os.PathLike[str] | None"
+    # What ``table_dtype=`` takes: None (keep), a float dtype, a `Scheme`, or a name in ``save.TABLE_DTYPES``.
+    TableDtype: TypeAlias = "torch.dtype | Scheme | str | None"
 
 _INDEX_SUFFIX = ".safetensors.index.json"
 

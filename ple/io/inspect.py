@@ -13,8 +13,7 @@ from .load import identify_index, resolve_config
 from .policy import is_marked, problems_of
 
 if TYPE_CHECKING:
-    from .files import CheckpointSource
-    from .load import ConfigSource
+    from .files import CheckpointSource, ConfigSource
 
 __all__ = ["inspect", "format_inspect"]
 

@@ -41,13 +41,9 @@ from .load import BLOCK_BYTES, CONFIG_METADATA_KEY, table_blocks
 from .policy import mark_config, mark_metadata, refuse_unless_ple_only, transformers_problems
 
 if TYPE_CHECKING:
-    from typing import TypeAlias
-
     from ..layer import PLELayer
     from ..table import Table
-
-    # What ``table_dtype=`` takes: None (keep), a float dtype, a `Scheme`, or a name of ``TABLE_DTYPES``.
-    TableDtype: TypeAlias = "torch.dtype | Scheme | str | None"
+    from .files import TableDtype
 
 __all__ = ["save", "parse_table_dtype", "TABLE_DTYPES", "table_entries", "tensor_entry", "CheckpointTable",
            "prepare_dst", "write_checkpoint"]
@@ -89,11 +85,6 @@ class _TableSource:
 
     def blocks(self, start: int, stop: int, block_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
         raise NotImplementedError
-
-    def float_blocks(self, start: int, stop: int, block_rows: int) -> Iterator[torch.Tensor]:
-        """Blocks as float32 (dequantized if the table is quantized)."""
-        for values, scale in self.blocks(start, stop, block_rows):
-            yield values.float() if scale is None else dequantize(values, scale, torch.float32)
 
 
 class _MemoryTable(_TableSource):

@@ -47,7 +47,6 @@ class StepHost:
     has_initial_states_d: list[int]
     has_initial_states_p: list[int]
     query_start_loc_p: list[int]
-    non_spec_query_start_loc: list[int]
     checkpoint_offsets: list[int]
     checkpoint_slots: list[int]
 
@@ -85,7 +84,6 @@ class StepBatch:
     has_initial_states_d: torch.Tensor   # [R_d] 0/1
     has_initial_states_p: torch.Tensor   # [R_p] 0/1
     query_start_loc_p: torch.Tensor      # [R_p+1], over the prefill rows
-    non_spec_query_start_loc: torch.Tensor  # [R_d + R_p + 1]
     # prefix-cache checkpoints of the prefills (offset 0 = none)
     checkpoint_offsets: torch.Tensor     # [R_p]
     checkpoint_slots: torch.Tensor       # [R_p]
@@ -158,7 +156,6 @@ def host_layout(cache: PLECache, parsed: list[tuple[Prefill | Decode | Spec, lis
         has_initial_states_d=[1] * len(dec),
         has_initial_states_p=[int(slots[item.slot].started) for _, item, _ in pre],
         query_start_loc_p=_cumsum(len(t) for _, _, t in pre),
-        non_spec_query_start_loc=_cumsum([1] * len(dec) + [len(t) for _, _, t in pre]),
         checkpoint_offsets=[item.checkpoint_at or 0 for _, item, _ in pre],
         checkpoint_slots=[item.checkpoint_slot or null for _, item, _ in pre],
     )

@@ -152,10 +152,6 @@ class PLECache:
         rows = [s.context if s.active else [eos] * self.config.context_len for s in self._slots]
         return torch.tensor(rows, dtype=torch.int64).reshape(self.num_slots, self.config.context_len)
 
-    @property
-    def free_slots(self) -> int:
-        return sum(not s.active for s in self._slots[1:])
-
     def active_slots(self) -> list[int]:
         return [i for i, s in enumerate(self._slots) if s.active]
 

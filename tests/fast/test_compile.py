@@ -38,7 +38,7 @@ outputs = dict(HAS_OUTER_RESIDUAL=True, IS_W_BF16=True, IS_FP64=False)
 build(F._step_out_kernel, ptrs, dict(step, **outputs, BLOCK_T=32, BLOCK_C=128))
 build(F._step_state_kernel, ptrs, dict(step, BLOCK_C=128))
 for mode, q in ((D.DECODE.value, 1), (D.SPEC.value, 4)):
-    build(D._step_fused_kernel, ptrs, dict(step, **outputs, MODE=mode, Q=q, IS_INIT_DEFAULT=1, BLOCK_C=128),
+    build(D._step_fused_kernel, ptrs, dict(step, **outputs, MODE=mode, Q=q, BLOCK_C=128),
           num_warps=D.FUSED_WARPS)
 build(F._export_kernel, dict(x_ptr="*bf16", state_ptr="*fp32", qsl_ptr="*i32", off_ptr="*i64",
                              slots_ptr="*i32", rows_ptr="*i32"),
@@ -59,8 +59,8 @@ scalars = ("eps_hi", "eps_lo", "sqrt_h")
 gate_io = dict(IS_FP64=False, IS_BF16=True, IS_FP16=False)
 gate_ptrs = lambda k: {n: "*fp32" if n in ("coef_ptr", "part_ptr") else "*bf16"  # noqa: E731
                        for n in k.arg_names if n.endswith("_ptr")}
-build(G._gate_fwd_kernel, gate_ptrs(G._gate_fwd_kernel), dict(gate_io, CHUNK=512, BLOCK_M=4), floats=scalars,
-      num_warps=2)
+build(G._gate_fwd_kernel, gate_ptrs(G._gate_fwd_kernel), dict(IS_FP64=False, IS_BF16=True, CHUNK=512, BLOCK_M=4),
+      floats=scalars, num_warps=2)
 build(G._gate_stats_kernel, gate_ptrs(G._gate_stats_kernel), dict(IS_FP64=False, TOK=16, CHUNK=512, BLOCK_M=4),
       floats=scalars)
 build(G._gate_bwd_kernel, gate_ptrs(G._gate_bwd_kernel), dict(gate_io, TOK=16, CHUNK=128, BLOCK_M=4), num_warps=8)
@@ -88,7 +88,7 @@ def fused_sass(layout, sdt, mode, q):
     unit = "stride_state_c" if layout == "channels_last" else "stride_state_w"
     ones = dict.fromkeys(("stride_x_c", "stride_res_c", "stride_outer_c", "stride_w_k", "stride_slot_r",
                           "stride_qsl_r", "stride_init_r", "stride_nat_r", "stride_rows_t", unit), 1)
-    consts = dict(step, **outputs, **ones, MODE=mode, Q=q, IS_INIT_DEFAULT=1, IS_STATE_BF16=sdt == "bf16",
+    consts = dict(step, **outputs, **ones, MODE=mode, Q=q, IS_STATE_BF16=sdt == "bf16",
                   IS_STATE_SAME_DTYPE=sdt == "bf16", HAS_INIT_FLAGS=mode == D.DECODE.value, BLOCK_C=D.FUSED_BLOCK_C)
     aligned = ("C", "stride_x_t", "stride_res_t", "stride_outer_t", "stride_state_n", "stride_state_c",
                "stride_state_w")
