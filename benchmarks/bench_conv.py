@@ -47,9 +47,7 @@ def conv_case(args, cfg, mode, n, device, dtype, repeats, spec_len=4, requests=1
 
     isz = x.element_size()
     nbytes = 4 * T * C * isz + R * C * isz * (S + (S if mode != "spec" else S + spec_len - 1))
-    compiled = common.maybe_compile(ref.ple_conv, args)
-    variants = dict(triton=run(fast.ple_conv), reference=run(ref.ple_conv),
-                    compiled=run(compiled) if compiled else None)
+    variants = common.op_variants(args, run, fast.ple_conv, ref.ple_conv)
     return common.run_case(args, "ple_conv", case, dtype, device, repeats, variants, nbytes)
 
 
@@ -61,32 +59,22 @@ def training_case(args, cfg, T, device, dtype, repeats):
     dy = torch.randn(1, T, C, generator=g).to(device, dtype)
 
     def run(op):
-        def f():
-            y = op(x, w, dilation=d)
-            if args.backward:
-                torch.autograd.grad(y, (x, w), dy)
-        return f
+        return common.with_backward(args, lambda: op(x, w, dilation=d), (x, w), dy)
 
     isz = x.element_size()
     nbytes = 2 * T * C * isz * (3 if args.backward else 1)
-    compiled = common.maybe_compile(ref.dilated_causal_conv, args)
     case = f"{'fwd+bwd' if args.backward else 'fwd'} T={T}"
-    variants = dict(triton=run(fast.dilated_causal_conv), reference=run(ref.dilated_causal_conv),
-                    compiled=run(compiled) if compiled else None)
+    variants = common.op_variants(args, run, fast.dilated_causal_conv, ref.dilated_causal_conv)
     return common.run_case(args, "dilated_causal_conv", case, dtype, device, repeats, variants, nbytes)
 
 
+SIZES = {"--prefill": ("512,4096,16384", "7,33", "prefill token counts"),
+         "--decode": ("1,64,256", "1,3", "decode batch sizes"),
+         "--spec-batch": ("1,64,256", "2", "spec batch sizes (4 tokens each)")}     # (default, --smoke, help)
+
+
 def main(argv=None):
-    p = common.parser(__doc__.splitlines()[0])
-    common.add_model_args(p)
-    p.add_argument("--prefill", default="512,4096,16384", help="prefill token counts")
-    p.add_argument("--decode", default="1,64,256", help="decode batch sizes")
-    p.add_argument("--spec-batch", default="1,64,256", help="spec batch sizes (4 tokens each)")
-    args = p.parse_args(argv)
-    device, dtype, repeats = common.setup(args)
-    cfg = common.model_config(args)
-    if args.smoke:
-        args.prefill, args.decode, args.spec_batch = "7,33", "1,3", "2"
+    args, device, dtype, repeats, cfg = common.script(__doc__, argv, SIZES)
     print(f"ple_conv: C={cfg.hc_hidden_size} K={cfg.ple_conv_kernel_size} d={cfg.conv_dilation} {dtype} "
           f"on {device}; copy bandwidth {common.copy_bandwidth(device, repeats):.1f} GB/s")
     rows = []

@@ -26,32 +26,19 @@ def gate_case(args, cfg, T, device, dtype, repeats):
     inputs = (key, value, hidden, wk, wq, wc)
 
     def run(op):
-        def f():
-            gated, conv_in = op(*inputs, cfg.rms_norm_eps)
-            if args.backward:
-                torch.autograd.grad((gated, conv_in), inputs, (dg, dc))
-        return f
+        return common.with_backward(args, lambda: op(*inputs, cfg.rms_norm_eps), inputs, (dg, dc))
 
     isz = key.element_size()
     nbytes = (2 * T * C + T * H + 2 * T * C) * isz          # read key, hidden, value; write gated, conv_input
     if args.backward:
         nbytes += (2 * T * C + 2 * T * C + T * H + 2 * T * C) * isz   # read again + grads in, grads out
-    compiled = common.maybe_compile(ref.ple_gate, args)
     case = f"{'fwd+bwd' if args.backward else 'fwd'} T={T}"
-    variants = dict(triton=run(fast.ple_gate), reference=run(ref.ple_gate),
-                    compiled=run(compiled) if compiled else None)
+    variants = common.op_variants(args, run, fast.ple_gate, ref.ple_gate)
     return common.run_case(args, "ple_gate", case, dtype, device, repeats, variants, nbytes)
 
 
 def main(argv=None):
-    p = common.parser(__doc__.splitlines()[0])
-    common.add_model_args(p)
-    p.add_argument("--tokens", default="1,64,256,512,4096,16384", help="token counts")
-    args = p.parse_args(argv)
-    device, dtype, repeats = common.setup(args)
-    cfg = common.model_config(args)
-    if args.smoke:
-        args.tokens = "1,9"
+    args, device, dtype, repeats, cfg = common.script(__doc__, argv, {"--tokens": common.TOKENS})
     print(f"ple_gate: C={cfg.hc_hidden_size} H={cfg.hidden_size} {dtype} on {device}; "
           f"copy bandwidth {common.copy_bandwidth(device, repeats):.1f} GB/s")
     rows = []

@@ -295,20 +295,19 @@ def ratio_table(rows) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None):
-    p = common.parser(__doc__.splitlines()[0])
-    common.add_model_args(p)
+SIZES = {"--seqs": ("1x4096,4x4096", "2x9", "B x L shapes of forward / backward"),
+         "--decode": ("1,64,256", "3", "requests per decode step"),
+         "--prompt": (32, 6, "longest prompt of the prefill before decode")}      # (default, --smoke, help)
+
+
+def _options(p):
     p.set_defaults(table_base=100_000, variants=",".join(VARIANTS))
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
-    p.add_argument("--seqs", default="1x4096,4x4096", help="B x L shapes of forward / backward")
-    p.add_argument("--decode", default="1,64,256", help="requests per decode step")
-    p.add_argument("--prompt", type=int, default=32, help="longest prompt of the prefill before decode")
-    args = p.parse_args(argv)
-    device, dtype, repeats = common.setup(args)
-    cfg = common.model_config(args)
+
+
+def main(argv=None):
+    args, device, dtype, repeats, cfg = common.script(__doc__, argv, SIZES, _options)
     modes = ["backward"] if args.backward else [m for m in args.modes.split(",") if m]
-    if args.smoke:
-        args.seqs, args.decode, args.prompt = "2x9", "3", 6
     unknown = set(modes) - set(MODES) | set(args.variants.split(",")) - set(VARIANTS)
     if unknown:
         raise SystemExit(f"bench_layer: unknown mode or variant {sorted(unknown)}")

@@ -40,14 +40,7 @@ def ngram_case(args, cfg, params, table, T, R, device, dtype, repeats):
 
 
 def main(argv=None):
-    p = common.parser(__doc__.splitlines()[0])
-    common.add_model_args(p)
-    p.add_argument("--tokens", default="1,64,256,512,4096,16384", help="token counts")
-    args = p.parse_args(argv)
-    device, dtype, repeats = common.setup(args)
-    cfg = common.model_config(args)
-    if args.smoke:
-        args.tokens = "1,9"
+    args, device, dtype, repeats, cfg = common.script(__doc__, argv, {"--tokens": common.TOKENS})
     if "fused" not in args.variants:
         args.variants += ",fused"
     params = ref.hash_params(cfg, 0).to(device)

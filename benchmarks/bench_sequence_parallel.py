@@ -31,9 +31,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -76,20 +74,6 @@ def parse(argv=None) -> argparse.Namespace:
     return args
 
 
-def _median_ms(fn, repeats, device) -> float:
-    fn()                                                     # warm-up (and the byte count's first call)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def _forward(conv, x):
     with torch.no_grad():
         conv(x)
@@ -107,6 +91,8 @@ def _group_max(value: float, device) -> float:
 
 def conv_cases(rank, W, args, device) -> list[dict]:
     """The sequence-parallel conv, both exchanges, for every n: bytes and times (rows on rank 0 only)."""
+    import common
+
     from ple.backends import resolve_backend
     from ple.distributed import Comm, even_bounds, sp_dilated_causal_conv
 
@@ -138,8 +124,9 @@ def conv_cases(rank, W, args, device) -> list[dict]:
             comm.reset()
             fwd_bwd()
             bwd_bytes = comm.all_reduce_sum_ints([comm.bytes_sent[cat + "_grad"]])[0]
-            ms_fwd = _group_max(_median_ms(fwd, args.repeats, device), device)
-            ms_all = _group_max(_median_ms(fwd_bwd, args.repeats, device), device)
+            # one warm-up call each; host time, the device synchronised around each call (ranks wait on each other)
+            ms_fwd = _group_max(common.bench(fwd, device, args.repeats, warmup=1, wall=True), device)
+            ms_all = _group_max(common.bench(fwd_bwd, device, args.repeats, warmup=1, wall=True), device)
             elems = fwd_bytes // torch.tensor([], dtype=dtype).element_size()
             bound = (W - 1) * S * C
             rows.append(dict(benchmark="sp_conv", world_size=W, tokens_per_rank=n, seq_len=L, C=C, S=S,

@@ -17,7 +17,6 @@ a CPU the step's host time is its whole time.
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import common
@@ -96,11 +95,7 @@ def host_times(args, layers, cfg, device, dtype, repeats) -> list[dict]:
             if name not in args.variants.split(","):
                 continue
             _, tokens, host_step = step_variant(layer, cfg, kind, n, device, dtype)
-            for _ in range(2):                           # warm-up
-                host_step()
-            times = [host_step() for _ in range(repeats)]
-            sched = statistics.median(t[0] for t in times)
-            step = statistics.median(t[1] for t in times)
+            sched, step = common.column_medians(host_step, repeats, warmup=2)
             case = f"{kind} n={n} T={tokens}"
             print(f"  {case:28s} {name:10s} {sched:12.1f} {step:12.1f}")
             for part, us in (("schedule", sched), ("step", step)):     # host milliseconds, one row a part
@@ -113,19 +108,15 @@ def host_times(args, layers, cfg, device, dtype, repeats) -> list[dict]:
     return rows
 
 
+SIZES = {"--prefill": ("512,4096,16384", "9", "prefill token counts"),
+         "--decode": ("1,64,256", "3", "decode batch sizes"),
+         "--spec-batch": ("1,64,256", "2", "spec batch sizes (4 tokens each)"),
+         "--mixed": ("64", "", "requests in the mixed step")}                      # (default, --smoke, help)
+
+
 def main(argv=None):
-    p = common.parser(__doc__.splitlines()[0])
-    common.add_model_args(p)
-    p.add_argument("--prefill", default="512,4096,16384")
-    p.add_argument("--decode", default="1,64,256")
-    p.add_argument("--spec-batch", default="1,64,256")
-    p.add_argument("--mixed", default="64", help="requests in the mixed step")
-    p.add_argument("--host", action="store_true", help="µs of host time per step instead of device time")
-    args = p.parse_args(argv)
-    device, dtype, repeats = common.setup(args)
-    cfg = common.model_config(args)
-    if args.smoke:
-        args.prefill, args.decode, args.spec_batch, args.mixed = "9", "3", "2", ""
+    args, device, dtype, repeats, cfg = common.script(__doc__, argv, SIZES, lambda p: p.add_argument(
+        "--host", action="store_true", help="µs of host time per step instead of device time"))
     layers = {"triton": make_layer(cfg, "triton", device, dtype)}
     layers["reference"] = make_layer(cfg, "reference", device, dtype)
     layers["reference"].load_state_dict(layers["triton"].state_dict())

@@ -66,14 +66,16 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def bench(fn, device: torch.device, repeats: int, warmup: int = 3) -> float:
-    """Median milliseconds of ``fn()`` (CUDA events on a GPU, perf_counter on a CPU)."""
+def bench(fn, device: torch.device, repeats: int, warmup: int = 3, *, wall: bool = False) -> float:
+    """Median milliseconds of ``fn()`` after ``warmup`` calls: CUDA events on a GPU, perf_counter on a CPU.
+    ``wall``: perf_counter on a GPU too, the device synchronised before and after each call (the time a
+    host waits, e.g. across processes)."""
     for _ in range(warmup):
         fn()
     sync(device)
     times = []
     for _ in range(repeats):
-        if device.type == "cuda":
+        if device.type == "cuda" and not wall:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -81,10 +83,21 @@ def bench(fn, device: torch.device, repeats: int, warmup: int = 3) -> float:
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
         else:
+            sync(device)
             t0 = time.perf_counter()
             fn()
+            sync(device)
             times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
+
+
+def column_medians(fn, repeats: int, warmup: int = 2) -> list[float]:
+    """``fn()`` returns a tuple of times (it times its own parts): the median of each, over ``repeats`` calls
+    after ``warmup``."""
+    for _ in range(warmup):
+        fn()
+    times = [fn() for _ in range(repeats)]
+    return [statistics.median(col) for col in zip(*times)]
 
 
 _COPY_GBPS: dict = {}
@@ -120,6 +133,23 @@ def maybe_compile(fn, args):
     except Exception as e:  # noqa: BLE001 - report, do not abort the benchmark
         print(f"torch.compile unavailable: {type(e).__name__}: {e}")
         return None
+
+
+def with_backward(args, call, inputs, grads):
+    """A zero-arg callable: ``call()`` and, with ``--backward``, the gradients of what it returns (``grads``
+    flowing in) with respect to ``inputs``."""
+    def f():
+        out = call()
+        if args.backward:
+            torch.autograd.grad(out, inputs, grads)
+    return f
+
+
+def op_variants(args, run, fast_op, ref_op) -> dict:
+    """The variants of an op script, for `run_case`: ``run(op)`` (a zero-arg callable) of ``ple.fast``'s op,
+    of the reference's, and of `maybe_compile` of the reference (None when that is off)."""
+    compiled = maybe_compile(ref_op, args)
+    return dict(triton=run(fast_op), reference=run(ref_op), compiled=run(compiled) if compiled else None)
 
 
 def _env() -> dict:
@@ -193,6 +223,29 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--embed-dim", type=int, default=2560, help="E (default 2560)")
     p.add_argument("--table-base", type=int, default=1_000_000,
                    help="ngram_vocab_size_base: rows per head (default 1e6, a 5 GB bf16 table; the model's is 2e7)")
+
+
+TOKENS = ("1,64,256,512,4096,16384", "1,9", "token counts")      # the op scripts' --tokens, for `script`
+
+
+def script(doc: str, argv, sizes: dict, options=None):
+    """The start of an op or layer script: its command line (`parser`'s options, `add_model_args`, ``sizes``
+    and what ``options(p)`` adds), then `setup` and `model_config`. ``sizes``: ``{"--flag": (default, smoke,
+    help)}``, the value typed as the default is and replaced by ``smoke`` under ``--smoke``.
+    Returns (args, device, dtype, repeats, cfg)."""
+    p = parser(doc.splitlines()[0])
+    add_model_args(p)
+    for flag, (default, _, text) in sizes.items():
+        p.add_argument(flag, type=type(default), default=default, help=text)
+    if options is not None:
+        options(p)
+    args = p.parse_args(argv)
+    device, dtype, repeats = setup(args)
+    cfg = model_config(args)
+    if args.smoke:
+        for flag, (_, smoke, _) in sizes.items():
+            setattr(args, flag[2:].replace("-", "_"), smoke)
+    return args, device, dtype, repeats, cfg
 
 
 def model_config(args):

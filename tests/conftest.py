@@ -92,6 +92,16 @@ def poisoned_empty():
         yield
 
 
+@pytest.fixture
+def deterministic_mode():
+    """``torch.use_deterministic_algorithms(True)`` while the test runs (``ple.fast._numerics.deterministic``);
+    the previous mode after. Request it by name or with ``pytest.mark.usefixtures("deterministic_mode")``."""
+    from _helpers import deterministic_algorithms
+
+    with deterministic_algorithms():
+        yield
+
+
 @pytest.fixture(autouse=True)
 def _deterministic_threads():
     torch.manual_seed(0)

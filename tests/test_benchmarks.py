@@ -13,7 +13,7 @@ import torch
 
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 MODULES = ("common", "bench_conv", "bench_gate", "bench_ngram", "bench_step", "bench_layer", "bench_decode_cpu",
-           "bench_sequence_parallel", "run_all")
+           "bench_layer_cpu", "bench_sequence_parallel", "run_all")
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -68,6 +68,20 @@ def test_benchmarks_smoke_and_the_report(run_all, tmp_path):
     assert (tmp_path / "gpu_report.png").exists() == HAS_MATPLOTLIB
     if HAS_TRANSFORMERS:
         assert all(r["vs_transformers"] for r in report if r["benchmark"] == "layer")
+
+
+def test_layer_cpu_benchmark_smoke(run_all, tmp_path):
+    """``bench_layer_cpu.py --smoke --no-compile``: the torch backend beside transformers (where installed) on
+    tiny shapes, one repeat; a row per case and implementation in the CSV."""
+    import bench_layer_cpu
+
+    out = tmp_path / "rows.csv"
+    rows = bench_layer_cpu.main(["--smoke", "--no-compile", "--repeats", "1", "--csv", str(out)])
+    assert rows and {r["benchmark"] for r in rows} == {"layer_cpu"}
+    assert {r["case"].split()[0] for r in rows} == {"forward", "fwd+bwd", "decode"}
+    assert {r["variant"] for r in rows} == {"torch"} | ({"transformers"} if HAS_TRANSFORMERS else set())
+    assert all(float(r["ms"]) > 0 for r in rows)
+    assert len(list(csv.DictReader(out.open()))) == len(rows)
 
 
 def _row(benchmark, case, variant, ms, nbytes, gbps, **kw):

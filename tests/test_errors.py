@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import args_snapshot, assert_args_unchanged
 
 import ple.reference
 from ple import PLEConfig, PLELayer
@@ -380,21 +381,6 @@ CONV_CASES += [
 
 
 
-def snapshot(args: dict) -> dict:
-    """Copies of every tensor argument and of the base of the conv state."""
-    out = {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor) and v.device.type != "meta"}
-    state = args.get("conv_state")
-    if isinstance(state, torch.Tensor) and state._base is not None:
-        out["conv_state._base"] = state._base.clone()
-    return out
-
-
-def assert_unchanged(args: dict, before: dict) -> None:
-    for k, v in before.items():
-        now = args["conv_state"]._base if k == "conv_state._base" else args[k]
-        assert_bitwise_equal(now, v, name=k)
-
-
 def call_conv(args: dict, ops=ple.reference) -> None:
     a = dict(args)
     ops.ple_conv(
@@ -410,7 +396,7 @@ def call_conv(args: dict, ops=ple.reference) -> None:
 @pytest.mark.parametrize("mode", ["prefill", "decode", "spec"])
 def test_base_conv_calls_are_valid_and_write(mode, ops):
     args = conv_args(mode)
-    before = snapshot(args)
+    before = args_snapshot(args)
     call_conv(args, ops)
     assert not torch.equal(args["residual"], before["residual"])
     assert not torch.equal(args["conv_state"]._base, before["conv_state._base"])
@@ -420,10 +406,10 @@ def test_base_conv_calls_are_valid_and_write(mode, ops):
 def test_bad_ple_conv_call_raises_and_changes_nothing(case, mode, change, exc, arg, ops):
     args = conv_args(mode)
     change(args)
-    before = snapshot(args)
+    before = args_snapshot(args)
     with pytest.raises(exc, match=rf"^{arg}\b"):
         call_conv(args, ops)
-    assert_unchanged(args, before)
+    assert_args_unchanged(args, before)
 
 
 def checkpoint_args() -> dict:
@@ -511,7 +497,7 @@ def call_export(args: dict, ops=ple.reference) -> None:
 
 def test_base_checkpoint_call_is_valid_and_writes(ops):
     args = checkpoint_args()
-    before = snapshot(args)
+    before = args_snapshot(args)
     call_export(args, ops)
     assert not torch.equal(args["conv_state"]._base, before["conv_state._base"])
 
@@ -520,10 +506,10 @@ def test_base_checkpoint_call_is_valid_and_writes(ops):
 def test_bad_checkpoint_export_raises_and_changes_nothing(case, change, exc, arg, ops):
     args = checkpoint_args()
     change(args)
-    before = snapshot(args)
+    before = args_snapshot(args)
     with pytest.raises(exc, match=rf"^{arg}\b"):
         call_export(args, ops)
-    assert_unchanged(args, before)
+    assert_args_unchanged(args, before)
 
 
 def test_checkpoint_duplicates_and_null_slot_without_offsets_are_fine(ops):
@@ -533,9 +519,9 @@ def test_checkpoint_duplicates_and_null_slot_without_offsets_are_fine(ops):
     call_export(args, ops)
     args = checkpoint_args()
     args.update(slots=torch.tensor([0, 0]))
-    before = snapshot(args)
+    before = args_snapshot(args)
     call_export(args, ops)
-    assert_unchanged(args, before)
+    assert_args_unchanged(args, before)
 
 
 # ---- the other ops: exception type and the argument named -----------------------------------------

@@ -118,7 +118,7 @@ def step_conv(ops: ModuleType | CustomOps, conv_input: torch.Tensor, residual: t
     nd = batch.num_decode_tokens
     if batch.num_decodes:
         ops.ple_conv(conv_input, residual, state, weights, batch.state_indices[:batch.num_decodes], mode="decode",
-                     has_initial_states=batch.has_initial_states_d,
+                     has_initial_states=None,          # every decode of a PLECache plan reads its history
                      token_indices=batch.non_spec_token_indices[:nd], **common)
     if batch.num_prefills:
         prefill_rows = batch.non_spec_token_indices[nd:]

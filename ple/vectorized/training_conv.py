@@ -176,7 +176,7 @@ def conv_activation(out: torch.Tensor, dtype: torch.dtype, inplace: bool) -> tor
     """``silu(out.to(dtype).to(acc)).to(dtype)``, the model's rounding: the sum, then silu, each rounded."""
     if out.dtype == dtype:
         return F.silu(out, inplace=inplace)
-    return F.silu(out.to(dtype))                  # computed in float32, rounded: what the reference's casts do
+    return F.silu(out.to(dtype), inplace=inplace)   # computed in float32, rounded: what the reference's casts do
 
 
 @twin(_reference.dilated_causal_conv)

@@ -22,6 +22,7 @@ import copy
 
 import pytest
 import torch
+from _helpers import nonzero_layers, packed_reference
 
 import ple
 from ple.distributed import (
@@ -48,15 +49,7 @@ CKPT_PREFIX = "model.layers.1.ple."
 
 def make_layers(num_layers=1, *, seed=0, dtype=torch.float32):
     """Layers with every parameter non-zero (norms and conv included), the same in every process."""
-    g = torch.Generator().manual_seed(seed)
-    layers = []
-    for i in range(num_layers):
-        layer = ple.PLELayer(CONFIG, i, dtype=dtype)
-        with torch.no_grad():
-            for p in layer.parameters():
-                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(dtype) * 0.5)
-        layers.append(layer)
-    return layers
+    return nonzero_layers(CONFIG, num_layers, seed=seed, dtype=dtype)
 
 
 def total_bytes(comm: Comm, category: str) -> int:
@@ -230,17 +223,10 @@ def _train(rank, W, sharded, exchange, bounds_list, quantized=None):
     for n in lengths:
         starts.append(starts[-1] + n)
     T, C, S = starts[-1], CONFIG.hc_hidden_size, CONFIG.conv_state_len
-    g = torch.Generator().manual_seed(6)
-    ids = torch.randint(0, CONFIG.vocab_size, (T,), generator=g)
-    ids[20] = CONFIG.eos_token_id
-    hidden = torch.randn(T, C, generator=g, dtype=torch.float64)
-    probe = torch.randn(T, C, generator=g, dtype=torch.float64)
 
     # One process: every sequence through forward, the loss summed.
-    h = hidden.clone().requires_grad_(True)
-    outs = [full(h[a:b][None], ids[a:b][None])[0] for a, b in zip(starts, starts[1:], strict=False)]
-    ref = torch.cat(outs)
-    (ref * probe).sum().backward()
+    one = packed_reference(full, starts, eos_at=20)
+    ids, hidden, probe, ref, h = one["ids"], one["hidden"], one["probe"], one["ref"], one["h"]
     ref_grads = {n: p.grad.clone() for n, p in full.named_parameters()}
 
     comm = Comm()

@@ -20,6 +20,7 @@ import copy
 
 import pytest
 import torch
+from _helpers import nonzero_layers, packed_reference
 
 import ple
 from ple.distributed import (
@@ -57,13 +58,8 @@ def grads_match(layer, full, placement, W, rank, label=""):
 
 
 def make_layer(seed=0):
-    """Every parameter non-zero (norms and conv too), the same in every process."""
-    g = torch.Generator().manual_seed(seed)
-    layer = ple.PLELayer(CONFIG, 0, dtype=torch.float64)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5)
-    return layer
+    """Every parameter non-zero (norms and conv too), float64, the same in every process."""
+    return nonzero_layers(CONFIG, seed=seed)[0]
 
 
 def batch(seed, B, L=9):
@@ -202,15 +198,9 @@ def check_sequence_parallel_on_the_mesh_without_host_syncs(rank, W, ckpt):
 
     full = make_layer()
     starts = [0, 5, 21, 22, 22, 31]                      # a sequence across every boundary, an empty one
-    T, C = starts[-1], CONFIG.hc_hidden_size
-    g = torch.Generator().manual_seed(6)
-    ids = torch.randint(0, CONFIG.vocab_size, (T,), generator=g)
-    ids[19] = CONFIG.eos_token_id
-    hidden = torch.randn(T, C, generator=g, dtype=torch.float64)
-    probe = torch.randn(T, C, generator=g, dtype=torch.float64)
-    h = hidden.clone().requires_grad_(True)
-    ref = torch.cat([full(h[a:b][None], ids[a:b][None])[0] for a, b in zip(starts, starts[1:]) if b > a])
-    (ref * probe).sum().backward()
+    T = starts[-1]
+    one = packed_reference(full, starts, eos_at=19)      # one process: the summed loss's gradients in full
+    ids, hidden, probe, ref, h = one["ids"], one["hidden"], one["probe"], one["ref"], one["h"]
     mesh = mesh_of(W)
     bounds = even_bounds(T, W) if W != 3 else [0, 2, 2, T]          # W = 3: a rank with no tokens, one with 2 < S
     lo, hi = bounds[rank], bounds[rank + 1]

@@ -22,6 +22,7 @@ import copy
 
 import pytest
 import torch
+from _helpers import nonzero_layers
 
 import ple
 from ple import reference
@@ -35,12 +36,8 @@ EMPTY_RANK_ROWS = {2: 1, 3: 4, 4: 5}           # chunking leaves the last rank n
 
 
 def make_layer(seed=0):
-    g = torch.Generator().manual_seed(seed)
-    layer = ple.PLELayer(CONFIG, 0, dtype=torch.float64)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.5)
-    return layer
+    """Every parameter non-zero (norms and conv too), float64, the same in every process."""
+    return nonzero_layers(CONFIG, seed=seed)[0]
 
 
 def mesh_of(W):

@@ -18,50 +18,16 @@ from hypothesis import strategies as st
 
 from ple import fast  # the public ops: torch.library custom ops over ple.fast.conv / training_conv
 from ple import reference as ref
+from ple.testing.kit.cases import clone_state, randn, to64
+from ple.testing.kit.conv import build_conv, build_export, run_conv
 from ple.testing.numerics import assert_bitwise_equal, assert_close, assert_no_nan
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("poisoned_empty")]
 
-NAN = float("nan")
 CHANNELS = [1, 5, 13, 40]
 
 
-def _randn(shape, dtype, g):
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
-
-
-def _to64(t):
-    return None if t is None else t.to(torch.float64)
-
-
 # ---- ple_conv ---------------------------------------------------------------------------------------
-
-
-def _state(num_slots, C, W, layout, dtype, g):
-    """(view ``[num_slots, C, W]``, the buffer behind it) in one of the legal layouts."""
-    if layout == "cw":                                     # contiguous [num_slots, C, W]
-        buf = _randn((num_slots, C, W), dtype, g)
-        return buf, buf
-    if layout == "wc":                                     # transposed [num_slots, W, C] buffer
-        buf = _randn((num_slots, W, C), dtype, g)
-        return buf.transpose(1, 2), buf
-    buf = _randn((num_slots, W + 2, C), dtype, g)          # the last W columns of a wider buffer
-    return buf.transpose(1, 2)[..., 2:], buf
-
-
-def _rows_view(T, C, dtype, g, wide):
-    """A ``[T, C]`` tensor, possibly the first C columns of a wider buffer."""
-    if wide:
-        return _randn((T, C + 3), dtype, g)[:, :C]
-    return _randn((T, C), dtype, g)
-
-
-def _index(values, dtype, column):
-    """An index tensor, possibly a column of a 2-D table (non-unit stride)."""
-    t = torch.tensor(values, dtype=dtype)
-    if column:
-        t = torch.stack([t, torch.full_like(t, 12345)], 1)[:, 0]
-    return t
 
 
 @st.composite
@@ -100,87 +66,6 @@ def conv_cases(draw, mode):
     )
 
 
-def _build(case):
-    """Tensors of one ``ple_conv`` call, and what each request reads and writes."""
-    g = torch.Generator().manual_seed(case["seed"])
-    mode, C, K, d, lens = case["mode"], case["C"], case["K"], case["dilation"], case["lens"]
-    dt = case["dtype"]
-    sdt = dt if case["state_dtype"] == "same" else torch.float32
-    S = (K - 1) * d
-    R = len(lens)
-    W = S + case["spec_len"] - 1 + case["extra_w"]
-    num_slots = R + case["extra_slots"]
-    null_slot = num_slots - 1 if case["null_at_end"] else 0
-    free = [s for s in range(num_slots) if s != null_slot]
-    order = torch.randperm(len(free), generator=g).tolist()
-    slots = [null_slot if case["null_requests"][r] else free[order[r]] for r in range(R)]
-    num_rows = sum(lens)
-    starts = [0]
-    for n in lens:
-        starts.append(starts[-1] + n)
-    if case["token_indices"]:
-        T = num_rows + case["extra_rows"]
-        rows = torch.randperm(T, generator=g)[:num_rows].tolist()
-        token_indices = _index(rows, case["index_dtype"], case["column_indices"])
-    else:
-        T, rows, token_indices = num_rows, list(range(num_rows)), None
-    inputs = _rows_view(T, C, dt, g, case["wide_rows"])
-    residual = _rows_view(T, C, dt, g, case["wide_rows"])
-    outer = _rows_view(T, C, dt, g, case["wide_rows"]) if case["outer"] else None
-    weights = _randn((C, K), dt, g) if case["weight_layout"] == "ck" else _randn((K, C), dt, g).t()
-    state, buf = _state(num_slots, C, W, case["layout"], sdt, g)
-
-    init = None
-    has_init = [mode != "prefill"] * R
-    if case["init"] is not None:
-        has_init = list(case["init_values"])
-        init = torch.tensor(has_init, dtype=torch.bool if case["init"] == "bool" else case["index_dtype"])
-    accepted = case["accepted"] if mode == "spec" else [1] * R
-    # Poison: rows outside the call; every state column this call must not read.
-    outside = sorted(set(range(T)) - set(rows))
-    inputs[outside] = NAN
-    residual[outside] = NAN
-    if outer is not None:
-        outer[outside] = NAN
-    read = torch.zeros(num_slots, W, dtype=torch.bool)
-    written = torch.zeros(num_slots, W, dtype=torch.bool)
-    for r, slot in enumerate(slots):
-        n = lens[r]
-        if slot == null_slot or n == 0:
-            continue
-        o = accepted[r] - 1
-        if mode == "spec" or has_init[r]:
-            read[slot, o:o + S] = True
-        written[slot, : S + n - 1 if mode == "spec" else S] = True
-    mask = ~read[:, None, :].expand(num_slots, C, W)
-    state[mask] = NAN
-    return dict(
-        inputs=inputs, residual=residual, outer=outer, weights=weights, state=state, buf=buf,
-        slots=_index(slots, case["index_dtype"], case["column_indices"]),
-        qsl=torch.tensor(starts, dtype=case["index_dtype"]), init=init,
-        accepted=torch.tensor(accepted, dtype=case["index_dtype"]), token_indices=token_indices,
-        null_slot=null_slot, rows=rows, outside=outside, written=written,
-    )
-
-
-def _call(op, t, case, *, residual, state, inputs=None, weights=None, outer=None):
-    op(t["inputs"] if inputs is None else inputs, residual, state,
-       t["weights"] if weights is None else weights, t["slots"],
-       mode=case["mode"], dilation=case["dilation"],
-       query_start_loc=None if case["mode"] == "decode" and case["seed"] % 2 else t["qsl"],
-       has_initial_states=t["init"], num_accepted_tokens=t["accepted"] if case["mode"] == "spec" else None,
-       spec_query_len=case["spec_len"], token_indices=t["token_indices"],
-       outer_residual=t["outer"] if outer is None else outer, null_slot=t["null_slot"])
-
-
-def _clone_state(t):
-    """A copy of the state view with the same strides, over a copy of its buffer."""
-    buf = t["buf"].clone()
-    state = torch.as_strided(buf, t["state"].shape, t["state"].stride(),
-                             t["state"].storage_offset() - t["buf"].storage_offset())
-    return state, buf
-
-
 @pytest.mark.parametrize("mode", ["prefill", "decode", "spec"])
 @settings(max_examples=examples(3))
 @given(data=st.data())
@@ -192,19 +77,19 @@ def test_ple_conv_matches_reference(mode, data):
 
 def _check_against_reference(case):
     """One ``ple_conv`` call of ``case``: the fast op against the reference (outputs close, states bit for bit)."""
-    t = _build(case)
+    t = build_conv(case)
     res_ref, res_fast = t["residual"].clone(), t["residual"].clone()
-    (st_ref, buf_ref), (st_fast, buf_fast) = _clone_state(t), _clone_state(t)
-    _call(ref.ple_conv, t, case, residual=res_ref, state=st_ref)
-    _call(fast.ple_conv, t, case, residual=res_fast, state=st_fast)
+    (st_ref, buf_ref), (st_fast, buf_fast) = clone_state(t), clone_state(t)
+    run_conv(ref.ple_conv, t, case, residual=res_ref, state=st_ref)
+    run_conv(fast.ple_conv, t, case, residual=res_fast, state=st_fast)
 
     rows = t["rows"]
     exact = None
     if case["dtype"] == torch.bfloat16:                      # the float64 run judges bfloat16
-        res64 = _to64(t["residual"])
-        st64 = _to64(t["state"])
-        _call(ref.ple_conv, t, case, residual=res64, state=st64, inputs=_to64(t["inputs"]),
-              weights=_to64(t["weights"]), outer=_to64(t["outer"]))
+        res64 = to64(t["residual"])
+        st64 = to64(t["state"])
+        run_conv(ref.ple_conv, t, case, residual=res64, state=st64, inputs=to64(t["inputs"]),
+                 weights=to64(t["weights"]), outer=to64(t["outer"]))
         exact = res64[rows]
     assert_close(res_fast[rows], res_ref[rows], exact64=exact, name="residual")
     assert_no_nan(res_fast[rows], name="residual rows of the call")
@@ -235,7 +120,7 @@ def test_ple_conv_model_widths_tiles_and_packed_taps(mode, weight_layout, layout
                 null_requests=[False, False, False, False, True], init="bool" if mode != "spec" else None,
                 init_values=[True, False, True, True, True], accepted=[2, 1, 3, 1, 2], token_indices=True,
                 extra_rows=2, outer=True, wide_rows=False, index_dtype=torch.int32, column_indices=False, seed=R)
-    w = _build(case)["weights"]
+    w = build_conv(case)["weights"]
     assert weight_args(w)["w_ptr"].dtype == (torch.int64 if weight_layout == "ck" else torch.bfloat16)
     _check_against_reference(case)
 
@@ -268,11 +153,11 @@ def test_ple_conv_mixed_batch(C, K, d, spec_len, spec_lens, n_dec, pre_lens, dty
     R_s, R_p = len(spec_lens), len(pre_lens)
     num_slots = 1 + R_s + n_dec + R_p
     slots = (torch.randperm(num_slots - 1, generator=g) + 1).tolist()
-    logical = _randn((T, C), dtype, g)                      # rows in logical order: spec, decode, prefill
-    res0 = _randn((T, C), dtype, g)
-    outer0 = _randn((T, C), dtype, g)
-    state0 = _randn((num_slots, S + spec_len - 1, C), dtype, g).transpose(1, 2)
-    w = _randn((C, K), dtype, g)
+    logical = randn((T, C), dtype, g)                      # rows in logical order: spec, decode, prefill
+    res0 = randn((T, C), dtype, g)
+    outer0 = randn((T, C), dtype, g)
+    state0 = randn((num_slots, S + spec_len - 1, C), dtype, g).transpose(1, 2)
+    w = randn((C, K), dtype, g)
     qsl_s = torch.tensor([0] + torch.tensor(spec_lens).cumsum(0).tolist())
     qsl_p = torch.tensor([0] + torch.tensor(pre_lens).cumsum(0).tolist())
     nat = torch.randint(1, spec_len + 1, (R_s,), generator=g)
@@ -306,7 +191,7 @@ def test_ple_conv_mixed_batch(C, K, d, spec_len, spec_lens, n_dec, pre_lens, dty
     out_b, state_b = step(fast.ple_conv, layout_b)
     exact = None
     if dtype == torch.bfloat16:
-        logical, res0, outer0, state0, w = map(_to64, (logical, res0, outer0, state0, w))
+        logical, res0, outer0, state0, w = map(to64, (logical, res0, outer0, state0, w))
         exact, _ = step(ref.ple_conv, layout_a)
     assert_close(out_a, out_ref, exact64=exact, name="residual")
     assert_bitwise_equal(state_a, state_ref)
@@ -326,43 +211,19 @@ def test_ple_conv_mixed_batch(C, K, d, spec_len, spec_lens, n_dec, pre_lens, dty
 )
 def test_export_checkpoints_matches_reference(C, S, lens, dtype, state_dtype, layout, token_indices,
                                               null_at_end, choice, seed):
-    note(dict(C=C, S=S, lens=lens, dtype=dtype, state_dtype=state_dtype, layout=layout,
-              token_indices=token_indices, null_at_end=null_at_end, choice=choice, seed=seed))
-    g = torch.Generator().manual_seed(seed)
-    R = len(lens)
-    num_slots = R + 2
-    null_slot = num_slots - 1 if null_at_end else 0
-    free = [s for s in range(num_slots) if s != null_slot]
-    offsets, slots = [], []
-    for r, n in enumerate(lens):
-        kind = choice[r] if n >= S else 0                     # 0: no checkpoint
-        offsets.append({0: 0, 1: S, 2: n, 3: (S + n) // 2}[kind])
-        slots.append(null_slot if kind == 3 and r % 2 else free[r])
-    num_rows = sum(lens)
-    starts = torch.tensor([0] + torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist(), dtype=torch.int64)
-    T = num_rows + (2 if token_indices else 0)
-    rows = torch.randperm(T, generator=g)[:num_rows] if token_indices else None
-    x = _randn((T, C), dtype, g)
-    if rows is not None:
-        outside = sorted(set(range(T)) - set(rows.tolist()))
-        x[outside] = NAN
-    sdt = dtype if state_dtype == "same" else torch.float32
-    state, buf = _state(num_slots, C, S + 1, layout, sdt, g)
-    target = torch.zeros(num_slots, dtype=torch.bool)
-    for o, s in zip(offsets, slots, strict=True):
-        if o > 0 and s != null_slot:
-            target[s] = True
-    state[target, :, :S] = NAN                              # must be fully rewritten
-    kw = dict(query_start_loc=starts, offsets=torch.tensor(offsets, dtype=torch.int32),
-              slots=torch.tensor(slots, dtype=torch.int64), state_len=S, token_indices=rows,
-              null_slot=null_slot)
-    buf_ref, buf_fast = buf.clone(), buf.clone()
-    view = lambda b: torch.as_strided(b, state.shape, state.stride(),  # noqa: E731
-                                      state.storage_offset() - buf.storage_offset())
-    ref.export_conv_checkpoints(x, view(buf_ref), **kw)
-    fast.export_conv_checkpoints(x, view(buf_fast), **kw)
+    case = dict(C=C, S=S, lens=lens, dtype=dtype, state_dtype=state_dtype, layout=layout,
+                token_indices=token_indices, null_at_end=null_at_end, choice=choice, seed=seed)
+    note(case)
+    t = build_export(case)
+    kw = dict(query_start_loc=torch.tensor(t["starts"], dtype=torch.int64),
+              offsets=torch.tensor(t["offsets"], dtype=torch.int32),
+              slots=torch.tensor(t["slot_list"], dtype=torch.int64), state_len=S, token_indices=t["rows"],
+              null_slot=t["null_slot"])
+    (view_ref, buf_ref), (view_fast, buf_fast) = clone_state(t), clone_state(t)
+    ref.export_conv_checkpoints(t["x"], view_ref, **kw)
+    fast.export_conv_checkpoints(t["x"], view_fast, **kw)
     assert_bitwise_equal(buf_fast, buf_ref, name="conv_state buffer")
-    assert_no_nan(view(buf_fast)[target, :, :S], name="checkpoint columns")
+    assert_no_nan(view_fast[t["target"], :, :S], name="checkpoint columns")
 
 
 @settings(max_examples=examples(3))
@@ -378,10 +239,10 @@ def test_checkpoint_restore_continues_bit_for_bit(C, K, d, extra, rest, dtype, s
     S = (K - 1) * d
     off = max(S, 1) + extra
     L = off + rest
-    x = _randn((L, C), dtype, g)
-    res0 = _randn((L, C), dtype, g)
-    w = _randn((C, K), dtype, g)
-    state = _randn((3, S + 1, C), dtype, g).transpose(1, 2)
+    x = randn((L, C), dtype, g)
+    res0 = randn((L, C), dtype, g)
+    w = randn((C, K), dtype, g)
+    state = randn((3, S + 1, C), dtype, g).transpose(1, 2)
     qsl = torch.tensor([0, L])
     full = res0.clone()
     fast.ple_conv(x, full, state, w, torch.tensor([1]), mode="prefill", dilation=d, query_start_loc=qsl)

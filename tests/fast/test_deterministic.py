@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import deterministic_algorithms
 
 import ple
 from ple.fast import embedding as E
@@ -28,12 +29,10 @@ OTHER_BLOCKS = [  # (module, name, another legal value) for every knob a reducti
 
 @pytest.fixture
 def deterministic_mode():
-    """The documented switch, ``torch.use_deterministic_algorithms(True)`` (warn-only for torch's own CPU ops)."""
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
+    """The documented switch, ``torch.use_deterministic_algorithms(True)``, here warn-only for torch's own CPU ops
+    (the conftest's fixture of this name is strict)."""
+    with deterministic_algorithms(warn_only=True):
         yield
-    finally:
-        torch.use_deterministic_algorithms(False)
 
 
 def _run(config, dtype, seed):

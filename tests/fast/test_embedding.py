@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import deterministic_algorithms
 from hypothesis import given, note
 from hypothesis import strategies as st
 
@@ -57,15 +58,6 @@ def test_embedding_lookup_fwd_bwd(rows, T, NH, D, dtype, ids_dtype, strided, see
 
 
 # ---- deterministic mode -----------------------------------------------------------------------------
-@pytest.fixture
-def deterministic_mode():
-    """``torch.use_deterministic_algorithms(True)`` while the test runs (``ple.fast._numerics.deterministic``)."""
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(was)
-
-
 def _token_order_sum(grad, ids, rows, dtype):
     """Each row's gradient summed in token order (flat ``t * NH + h``) in the accumulation dtype, rounded once."""
     T, NH = ids.shape
@@ -122,9 +114,7 @@ def test_embedding_lookup_sparse_grad_path(det):
     """``sparse_table_grad=True`` (``ple.table.DenseTable``) with the fast ops: sparse gradient, right values."""
     import ple.fast
     from ple.table import DenseTable
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(det)
-    try:
+    with deterministic_algorithms(det):
         g = _gen(3)
         ids = torch.randint(0, 7, (9, 3), generator=g)
         grad = torch.randn(9, 15, generator=g)
@@ -140,5 +130,3 @@ def test_embedding_lookup_sparse_grad_path(det):
         w64 = dense.weight.detach().double().requires_grad_()
         (g_64,) = torch.autograd.grad(ref.embedding_lookup(w64, ids), w64, grad.double())
         assert_close(sparse.weight.grad.to_dense(), dense.weight.grad, exact64=g_64, name="sparse grad")
-    finally:
-        torch.use_deterministic_algorithms(was)

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import tiny_hash_setup
 from _tier import examples
 from hypothesis import assume, given, note, settings
 from hypothesis import strategies as st
 
-from ple import PLEConfig
 from ple import reference as ref
 from ple.fast import embedding_lookup as fast_lookup  # public ops: torch.library custom ops
 from ple.fast import ngram_ids as fast_ngram_ids
@@ -25,7 +25,6 @@ from ple.fast import ple_gate as fast_gate
 from ple.testing.numerics import assert_bitwise_equal, assert_close
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("poisoned_empty")]
-
 
 
 def _gen(seed: int) -> torch.Generator:
@@ -150,14 +149,8 @@ def test_ple_gate_empty_batch():
 
 
 # ---- errors -----------------------------------------------------------------------------------------
-def _hash_setup():
-    config = PLEConfig.preset("tiny")
-    return ref.hash_params(config, 0), dict(heads_per_ngram=config.heads_per_ngram,
-                                            eos_token_id=config.eos_token_id)
-
-
 def _bad_calls():
-    params, kw = _hash_setup()
+    params, kw = tiny_hash_setup()
     ids = torch.tensor([1, 2, 3])
     gate = _gate_inputs(2, 2, 3, torch.float32, 0)
     yield "float input_ids", "ngram_ids", (ids.float(), params), kw
@@ -214,15 +207,6 @@ def test_ple_gate_small_blocks(monkeypatch, H, dtype):
     _small_blocks(monkeypatch)
     tensors, seed = _well_conditioned(9, 3, H, dtype, 100)
     _check_gate(tensors, seed)
-
-
-@pytest.fixture
-def deterministic_mode():
-    """``torch.use_deterministic_algorithms(True)`` while the test runs (``ple.fast._numerics.deterministic``)."""
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(was)
 
 
 def _all_grads(tensors, seed, eps=1e-6):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _helpers import deterministic_algorithms, tiny_hash_setup
 from hypothesis import given, note
 from hypothesis import strategies as st
 
@@ -88,7 +89,7 @@ def test_ngram_ids_equal_reference(case):
 
 @pytest.mark.parametrize("dtype", INDEX_DTYPES)
 def test_ngram_ids_read_index_tensors_through_their_strides(dtype):
-    params, kw = _hash_setup()
+    params, kw = tiny_hash_setup()
     tokens = torch.tensor([5, 1, 7, 7, 3, 0, 2, 9, 4, 1, 8, 6], dtype=dtype)
     strided_tokens = torch.stack([tokens, tokens + 500], 1)[:, 0]                 # stride 2
     qsl = torch.tensor([0, 50, 2, 60, 2, 70, 7, 80, 12, 90], dtype=dtype)[::2]     # [0, 2, 2, 7, 12], stride 2
@@ -104,7 +105,7 @@ def test_ngram_ids_read_index_tensors_through_their_strides(dtype):
 
 def test_ngram_ids_no_requests():
     """``query_start_loc = [0]``: no requests, no tokens."""
-    params, kw = _hash_setup()
+    params, kw = tiny_hash_setup()
     for dt in INDEX_DTYPES:
         args = (torch.zeros(0, dtype=dt), params)
         kw.update(query_start_loc=torch.zeros(1, dtype=dt), ngram_context=torch.zeros(0, 2, dtype=dt))
@@ -145,22 +146,14 @@ def test_ngram_embedding_fused_equals_lookup(case, D, dtype, seed):
     assert_bitwise_equal(ngram_embedding(weight.detach(), input_ids, params, **kwargs), expected.detach())
 
 
-
-def _hash_setup():
-    config = PLEConfig.preset("tiny")
-    return ref.hash_params(config, 0), dict(heads_per_ngram=config.heads_per_ngram,
-                                            eos_token_id=config.eos_token_id)
-
-
-
 def test_ngram_embedding_table_too_small():
-    params, kw = _hash_setup()
+    params, kw = tiny_hash_setup()
     with pytest.raises(ValueError, match="weight"):
         ngram_embedding(torch.zeros(10, 2), torch.tensor([1, 2]), params, **kw)
 
 
 def _fused_case(seed=0, T=40, D=3, dtype=torch.float32):
-    params, kw = _hash_setup()
+    params, kw = tiny_hash_setup()
     g = _gen(seed)
     tokens = torch.randint(0, 2, (T,), generator=g)                   # two tokens: long runs of equal ids
     kw = dict(kw, query_start_loc=torch.tensor([0, 4, 4, T]))
@@ -192,9 +185,7 @@ def test_ngram_embedding_deterministic_backward(dtype, monkeypatch):
     from ple.fast import embedding as E
     from ple.fast import hashing as Hs
     params, kw, tokens, weight, grad = _fused_case(1, dtype=dtype)
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic_algorithms():
         monkeypatch.setattr(E, "_lookup_bwd_kernel", None)                # the atomic kernel must not run
         grads = []
         for unroll, rows, block_t, block_d in ((8, 256, 64, 64), (1, 4, 1, 1), (3, 32, 4, 2)):
@@ -216,5 +207,3 @@ def test_ngram_embedding_deterministic_backward(dtype, monkeypatch):
         for i, r in enumerate(ids.reshape(-1).tolist()):
             want[r] += acc[i]
         assert_bitwise_equal(grads[0], want.to(dtype), name="token-order sum")
-    finally:
-        torch.use_deterministic_algorithms(was)

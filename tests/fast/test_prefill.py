@@ -21,23 +21,22 @@ from hypothesis import strategies as st
 from ple.fast.prefill import block_rows
 from ple.fast.prefill import ple_prefill as fast_prefill
 from ple.reference.prefill import ple_prefill as ref_prefill
+from ple.testing.kit.cases import (
+    NAN,
+    assign_slots,
+    clone_state,
+    index_tensor,
+    randn,
+    request_rows,
+    rows_view,
+    state_view,
+)
+from ple.testing.kit.prefill import prefill_state_masks
 from ple.testing.numerics import assert_bitwise_equal, assert_close, assert_no_nan
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("poisoned_empty")]
 
 EPS = 1e-6
-NAN = float("nan")
-
-
-def _randn(shape, dtype, g, scale=1.0):
-    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype)
-
-
-def _index(values, dtype, column):
-    t = torch.tensor(values, dtype=dtype)
-    if column:                                   # a column of a 2-D table: stride 2
-        t = torch.stack([t, torch.full_like(t, 12345)], 1)[:, 0]
-    return t
 
 
 def _judge(actual, expected, exact64, name):
@@ -89,77 +88,39 @@ def _build(case):
     g = torch.Generator().manual_seed(case["seed"])
     M, H, K, d, lens, dt = case["M"], case["H"], case["K"], case["dilation"], case["lens"], case["dtype"]
     C, S, R = M * H, (K - 1) * d, len(lens)
-    num_rows = sum(lens)
-    starts = [0]
-    for n in lens:
-        starts.append(starts[-1] + n)
-    if case["token_indices"]:
-        T = num_rows + case["extra_rows"]
-        rows = torch.randperm(T, generator=g)[:num_rows].tolist()
-        token_indices = _index(rows, case["index_dtype"], case["column_indices"])
-    else:
-        T, rows, token_indices = num_rows, list(range(num_rows)), None
+    ix, col = case["index_dtype"], case["column_indices"]
+    starts, T, rows, token_indices = request_rows(lens, g, case["extra_rows"] if case["token_indices"] else None,
+                                                  ix, col)
 
     def rows_of(width, scale=1.0):
-        if case["strided_rows"]:
-            return _randn((T, width + 3), dt, g, scale)[:, :width]
-        return _randn((T, width), dt, g, scale)
+        return rows_view(T, width, dt, g, case["strided_rows"], scale)
 
     t = dict(key=rows_of(C, 2.0), value=rows_of(H), hidden=rows_of(C),
-             weights=[_randn((C,), dt, g, 0.5) for _ in range(3)],
-             conv_weights=_randn((C, K), dt, g) if case["weight_layout"] == "ck" else _randn((K, C), dt, g).t(),
-             qsl=torch.tensor(starts, dtype=case["index_dtype"]), token_indices=token_indices, rows=rows, T=T,
+             weights=[randn((C,), dt, g, 0.5) for _ in range(3)],
+             conv_weights=randn((C, K), dt, g) if case["weight_layout"] == "ck" else randn((K, C), dt, g).t(),
+             qsl=torch.tensor(starts, dtype=ix), token_indices=token_indices, rows=rows, T=T,
              outside=sorted(set(range(T)) - set(rows)), keep=None, state=None, buf=None, slots=None, init=None,
              null_slot=0)
     for name in ("key", "value", "hidden"):                 # rows outside the call: never read
         t[name][t["outside"]] = NAN
     if case["keep"] is not None:
         kv = torch.rand(T, generator=g) < 0.7
-        t["keep"] = kv if case["keep"] == "bool" else kv.to(case["index_dtype"]) * 3   # non-zero keeps
+        t["keep"] = kv if case["keep"] == "bool" else kv.to(ix) * 3   # non-zero keeps
     if not case["serving"]:
         return t
     W = S + case["extra_w"]
-    num_slots = R + case["extra_slots"]
-    null_slot = num_slots - 1 if case["null_at_end"] else 0
-    free = [s for s in range(num_slots) if s != null_slot]
-    order = torch.randperm(len(free), generator=g).tolist()
-    slots = [null_slot if case["null_requests"][r] else free[order[r]] for r in range(R)]
+    num_slots, null_slot, slots = assign_slots(R, case["extra_slots"], case["null_at_end"], case["null_requests"], g)
     sdt = dt if case["state_dtype"] == "same" else torch.float32
-    if case["layout"] == "cw":
-        buf = _randn((num_slots, C, W), sdt, g)
-        state = buf
-    elif case["layout"] == "wc":
-        buf = _randn((num_slots, W, C), sdt, g)
-        state = buf.transpose(1, 2)
-    else:
-        buf = _randn((num_slots, W + 2, C), sdt, g)
-        state = buf.transpose(1, 2)[..., 2:]
+    state, buf = state_view(num_slots, C, W, case["layout"], sdt, g)
     has_init = [False] * R
     if case["init"] is not None:
         has_init = list(case["init_values"])
-        t["init"] = torch.tensor(has_init, dtype=torch.bool if case["init"] == "bool" else case["index_dtype"])
-    read = torch.zeros(num_slots, W, dtype=torch.bool)
-    written = torch.zeros(num_slots, W, dtype=torch.bool)
-    copied = torch.zeros(num_slots, W, dtype=torch.bool)   # new columns that are old columns moved
-    for r, slot in enumerate(slots):
-        n = lens[r]
-        if slot == null_slot or n == 0:
-            continue
-        if has_init[r]:
-            read[slot, :S] = True
-            copied[slot, :max(S - n, 0)] = True
-        written[slot, :S] = True
-    state[~read[:, None, :].expand(state.shape)] = NAN      # poison every column the call must not read
-    t.update(state=state, buf=buf, slots=_index(slots, case["index_dtype"], case["column_indices"]),
-             null_slot=null_slot, written=written, copied=copied, has_init=has_init)
+        t["init"] = torch.tensor(has_init, dtype=torch.bool if case["init"] == "bool" else ix)
+    masks = prefill_state_masks(slots, lens, has_init, null_slot, S, num_slots, W)
+    state[~masks["read"][:, None, :].expand(state.shape)] = NAN      # poison every column the call must not read
+    t.update(state=state, buf=buf, slots=index_tensor(slots, ix, col), null_slot=null_slot,
+             written=masks["written"], copied=masks["copied"], has_init=has_init)   # copied: old columns moved
     return t
-
-
-def _clone_state(t, dtype=None):
-    buf = t["buf"].clone() if dtype is None else t["buf"].to(dtype)
-    state = torch.as_strided(buf, t["state"].shape, t["state"].stride(),
-                             t["state"].storage_offset() - t["buf"].storage_offset())
-    return state, buf
 
 
 def _call(op, t, case, state=None, dtype=None):
@@ -177,8 +138,8 @@ def _check(case):
     serving = case["serving"]
     (st_ref, buf_ref), (st_fast, buf_fast), (st64, buf64) = ((None, None),) * 3
     if serving:
-        (st_ref, buf_ref), (st_fast, buf_fast) = _clone_state(t), _clone_state(t)
-        st64, buf64 = _clone_state(t, torch.float64)
+        (st_ref, buf_ref), (st_fast, buf_fast) = clone_state(t), clone_state(t)
+        st64, buf64 = clone_state(t, torch.float64)
     out_ref = _call(ref_prefill, t, case, st_ref)
     out_fast = _call(fast_prefill, t, case, st_fast)
     out64 = _call(ref_prefill, t, case, st64, torch.float64)
@@ -240,11 +201,11 @@ def test_prefill_chunks_carry_state_bitwise(n, cut, K, d, dtype, init, keep, see
     g = torch.Generator().manual_seed(seed)
     M, H = 2, 8
     C, S = M * H, (K - 1) * d
-    key, value, hidden = _randn((n, C), dtype, g, 2.0), _randn((n, H), dtype, g), _randn((n, C), dtype, g)
-    weights = [_randn((C,), dtype, g, 0.5) for _ in range(3)]
-    w = _randn((C, K), dtype, g)
+    key, value, hidden = randn((n, C), dtype, g, 2.0), randn((n, H), dtype, g), randn((n, C), dtype, g)
+    weights = [randn((C,), dtype, g, 0.5) for _ in range(3)]
+    w = randn((C, K), dtype, g)
     kp = torch.rand(n, generator=g) < 0.7 if keep else None
-    state0 = _randn((3, S + 1, C), dtype, g).transpose(1, 2)
+    state0 = randn((3, S + 1, C), dtype, g).transpose(1, 2)
 
     def call(lo, hi, state, has_init):
         return fast_prefill(key[lo:hi], value[lo:hi], hidden[lo:hi], *weights, EPS, w, dilation=d,
@@ -282,13 +243,13 @@ def test_prefill_gradients(lens, M, H, K, d, keep, dtype, seed):
     note(dict(lens=lens, M=M, H=H, K=K, d=d, keep=keep, dtype=dtype, seed=seed))
     g = torch.Generator().manual_seed(seed)
     T, C = sum(lens), M * H
-    tensors = [_randn((T, C), dtype, g, 2.0), _randn((T, H), dtype, g), _randn((T, C), dtype, g),
-               *[_randn((C,), dtype, g, 0.5) for _ in range(3)], _randn((C, K), dtype, g)]
+    tensors = [randn((T, C), dtype, g, 2.0), randn((T, H), dtype, g), randn((T, C), dtype, g),
+               *[randn((C,), dtype, g, 0.5) for _ in range(3)], randn((C, K), dtype, g)]
     starts = [0]
     for n in lens:
         starts.append(starts[-1] + n)
     case = dict(d=d, qsl=torch.tensor(starts), keep=(torch.rand(T, generator=g) < 0.7) if keep else None)
-    dout = _randn((T, C), dtype, g)
+    dout = randn((T, C), dtype, g)
     exp = _grads(ref_prefill, tensors, dout, case)
     act = _grads(fast_prefill, tensors, dout, case)
     e64 = _grads(ref_prefill, [x.double() for x in tensors], dout.double(), case)
@@ -302,7 +263,7 @@ def test_prefill_gradcheck_float64():
     g = torch.Generator().manual_seed(5)
     T, M, H, K = 7, 2, 3, 3
     C = M * H
-    tensors = [_randn(s, torch.float64, g).requires_grad_() for s in ((T, C), (T, H), (T, C), (C,), (C,), (C,),
+    tensors = [randn(s, torch.float64, g).requires_grad_() for s in ((T, C), (T, H), (T, C), (C,), (C,), (C,),
                                                                       (C, K))]
     qsl, keep = torch.tensor([0, 4, 7]), torch.tensor([True, True, False, True, True, True, False])
 
@@ -315,8 +276,8 @@ def test_prefill_gradcheck_float64():
 def _bad_calls():
     g = torch.Generator().manual_seed(0)
     T, C, H, K = 4, 6, 3, 2
-    base = [_randn(s, torch.float32, g) for s in ((T, C), (T, H), (T, C), (C,), (C,), (C,))]
-    w = _randn((C, K), torch.float32, g)
+    base = [randn(s, torch.float32, g) for s in ((T, C), (T, H), (T, C), (C,), (C,), (C,))]
+    w = randn((C, K), torch.float32, g)
     qsl = torch.tensor([0, 1, 4])
     state = torch.zeros(3, C, 2)
     kw = dict(dilation=1, query_start_loc=qsl)

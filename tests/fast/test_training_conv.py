@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from ple import fast  # the public ops: torch.library custom ops
 from ple import reference as ref
 from ple.fast import training_conv as TC
+from ple.testing.kit.cases import index_tensor, randn, to64
 from ple.testing.numerics import assert_close, assert_no_nan
 
 pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("poisoned_empty")]
@@ -21,26 +22,7 @@ pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("poisoned_empty")
 CHANNELS = [1, 5, 13, 40]
 
 
-def _randn(shape, dtype, g):
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
-
-
-def _to64(t):
-    return None if t is None else t.to(torch.float64)
-
-
-def _index(values, dtype, column):
-    """An index tensor, possibly a column of a 2-D table (non-unit stride)."""
-    t = torch.tensor(values, dtype=dtype)
-    if column:
-        t = torch.stack([t, torch.full_like(t, 12345)], 1)[:, 0]
-    return t
-
-
-
 # ---- dilated_causal_conv ----------------------------------------------------------------------------
-
-
 
 
 @given(
@@ -87,18 +69,18 @@ def _check_against_reference(kind, C, K, d, B, L, lens, dtype, strided, seed):
     if kind == "dense":
         shape = (B, L, C)
     elif kind == "packed":                                  # strided: cu_seqlens a column of a table
-        cu = _index([0] + torch.tensor(lens).cumsum(0).tolist(), torch.int32, strided)
+        cu = index_tensor([0] + torch.tensor(lens).cumsum(0).tolist(), torch.int32, strided)
         shape = (sum(lens), C)
     else:
         shape = (L, C)
     if strided:                                             # x a channel slice, weight conv1d.weight[:, 0, :]
-        x = _randn(shape[:-1] + (C + 2,), dtype, g)[..., 1:C + 1]
-        w = _randn((C, 1, K), dtype, g)[:, 0, :]
-        dy = _randn(shape[::-1], dtype, g).permute(*reversed(range(len(shape))))
+        x = randn(shape[:-1] + (C + 2,), dtype, g)[..., 1:C + 1]
+        w = randn((C, 1, K), dtype, g)[:, 0, :]
+        dy = randn(shape[::-1], dtype, g).permute(*reversed(range(len(shape))))
     else:
-        x = _randn(shape, dtype, g)
-        w = _randn((C, K), dtype, g)
-        dy = _randn(shape, dtype, g)
+        x = randn(shape, dtype, g)
+        w = randn((C, K), dtype, g)
+        dy = randn(shape, dtype, g)
 
     def run(op, x, w, dy):                                  # every buffer allocated starts NaN (poisoned_empty)
         x = x.detach().clone().requires_grad_()
@@ -111,7 +93,7 @@ def _check_against_reference(kind, C, K, d, B, L, lens, dtype, strided, seed):
     want = run(ref.dilated_causal_conv, x, w, dy)
     exact = [None] * 3
     if dtype == torch.bfloat16:                             # the float64 run judges bfloat16
-        exact = run(ref.dilated_causal_conv, _to64(x), _to64(w), _to64(dy))
+        exact = run(ref.dilated_causal_conv, to64(x), to64(w), to64(dy))
     for name, a, b, e in zip(("y", "dx", "dweight"), got, want, exact, strict=True):
         assert_no_nan(a, name=name)
         assert_close(a, b, exact64=e, name=name)
@@ -120,9 +102,9 @@ def _check_against_reference(kind, C, K, d, B, L, lens, dtype, strided, seed):
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
 def test_dilated_causal_conv_reads_cu_seqlens_through_its_stride(dtype):
     g = torch.Generator().manual_seed(3)
-    x = _randn((40, 5), torch.float32, g).requires_grad_()
-    w = _randn((5, 3), torch.float32, g).requires_grad_()
-    dy = _randn((40, 5), torch.float32, g)
+    x = randn((40, 5), torch.float32, g).requires_grad_()
+    w = randn((5, 3), torch.float32, g).requires_grad_()
+    dy = randn((40, 5), torch.float32, g)
     cu = torch.tensor([0, 99, 3, -7, 3, 5, 37, 1000, 40], dtype=dtype)[::2]      # [0, 3, 3, 37, 40], stride 2
     outs = []
     for op in (ref.dilated_causal_conv, fast.dilated_causal_conv):
@@ -135,11 +117,11 @@ def test_dilated_causal_conv_reads_cu_seqlens_through_its_stride(dtype):
 
 def test_dilated_causal_conv_gradcheck():
     g = torch.Generator().manual_seed(0)
-    w = _randn((2, 3), torch.float64, g).requires_grad_()
-    x = _randn((1, 6, 2), torch.float64, g).requires_grad_()
+    w = randn((2, 3), torch.float64, g).requires_grad_()
+    x = randn((1, 6, 2), torch.float64, g).requires_grad_()
     assert torch.autograd.gradcheck(lambda a, b: fast.dilated_causal_conv(a, b, dilation=2), (x, w),
                                     fast_mode=True)
-    xp = _randn((7, 2), torch.float64, g).requires_grad_()
+    xp = randn((7, 2), torch.float64, g).requires_grad_()
     cu = torch.tensor([0, 3, 3, 7])
     assert torch.autograd.gradcheck(lambda a, b: fast.dilated_causal_conv(a, b, dilation=1, cu_seqlens=cu),
                                     (xp, w), fast_mode=True)

@@ -20,14 +20,6 @@ pytestmark = [pytest.mark.interpreter, pytest.mark.usefixtures("poisoned_empty")
 SIZES = [(16, 4, 1, 8), (32, 8, 3, 1024), (64, 32, 8, 16)]
 
 
-@pytest.fixture
-def deterministic():
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(was)
-
-
 def _case(kind, dtype, K, seed):
     g = torch.Generator().manual_seed(seed)
     C = 13
@@ -61,7 +53,7 @@ def _with_sizes(monkeypatch, rows, channels, tiles, block):
 @pytest.mark.parametrize("kind", ["dense", "packed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("K,d", [(4, 3), (5, 4)])
-def test_deterministic_gradients_do_not_depend_on_block_sizes(kind, dtype, K, d, deterministic, monkeypatch):
+def test_deterministic_gradients_do_not_depend_on_block_sizes(kind, dtype, K, d, deterministic_mode, monkeypatch):
     x, w, dy, cu = _case(kind, dtype, K, seed=K * 10 + d)
     runs = []
     for sizes in SIZES:
@@ -80,7 +72,7 @@ def test_deterministic_gradients_do_not_depend_on_block_sizes(kind, dtype, K, d,
         assert_close(a, b, exact64=e, name=name)
 
 
-def test_deterministic_gradients_repeat_bit_for_bit(deterministic):
+def test_deterministic_gradients_repeat_bit_for_bit(deterministic_mode):
     x, w, dy, cu = _case("packed", torch.float32, 4, seed=1)
     first = _grads(fast.dilated_causal_conv, x, w, dy, 3, cu)
     again = _grads(fast.dilated_causal_conv, x, w, dy, 3, cu)
@@ -90,7 +82,7 @@ def test_deterministic_gradients_repeat_bit_for_bit(deterministic):
 
 
 @pytest.mark.parametrize("kind", ["dense", "packed"])
-def test_deterministic_weight_gradient_adds_its_chunks_in_token_order(kind, deterministic):
+def test_deterministic_weight_gradient_adds_its_chunks_in_token_order(kind, deterministic_mode):
     """The documented order, not merely a fixed one: with the conv weights at zero (silu' = 1/2 exactly)
     and one non-zero product per 16-position chunk, each chunk's sum is exact, so dW is exactly the chunks'
     sums added in token order in float32: ``(1 + 2**27) - 2**27 == 0``, where any other order (reversed,

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import copy
 import random
 
 import pytest
 import torch
+from _helpers import assert_cache_unchanged, cache_snapshot, nonzero_layers
 from hypothesis import given, note
 from hypothesis import strategies as st
 
@@ -19,26 +19,7 @@ from ple.testing.serving import check_replay, conv_inputs_of_step, random_script
 
 def make_layers(config, num_layers, seed, backend="reference", dtype=torch.float32):
     """Layers with every parameter non-zero, so each part of the layer shows in the output."""
-    g = torch.Generator().manual_seed(seed)
-    layers = []
-    for i in range(num_layers):
-        layer = ple.PLELayer(config, i, backend=backend, dtype=dtype)
-        with torch.no_grad():
-            for p in layer.parameters():
-                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(dtype) * 0.5)
-        layers.append(layer)
-    return layers
-
-
-def snapshot(cache):
-    return cache.conv_states.clone(), copy.deepcopy(cache._slots), cache._version
-
-
-def assert_unchanged(cache, snap):
-    states, slots, version = snap
-    assert_bitwise_equal(cache.conv_states, states, name="conv_states")
-    assert cache._slots == slots
-    assert cache._version == version
+    return nonzero_layers(config, num_layers, seed=seed, dtype=dtype, draw_dtype=torch.float32, backend=backend)
 
 
 @given(config=pst.configs(), data=st.data(), seed=pst.seeds(),
@@ -224,28 +205,28 @@ def test_invalid_schedules_leave_the_cache_unchanged(make_items, error, match):
     cache, a, b = _warm_cache(config, layer)
     c = cache.allocate()
     cache.free(c)
-    snap = snapshot(cache)
+    snap = cache_snapshot(cache)
     with pytest.raises(error, match=match):
         cache.schedule(make_items(a, b, c))
-    assert_unchanged(cache, snap)
+    assert_cache_unchanged(cache, snap)
 
 
 def test_decode_or_spec_before_prefill_is_an_error():
     config = ple.PLEConfig.preset("tiny")
     cache = PLECache(config, 3, num_spec_tokens=1, num_layers=1)
     s = cache.allocate()
-    snap = snapshot(cache)
+    snap = cache_snapshot(cache)
     for item in (Decode(s, 1), Spec(s, [1, 2])):
         with pytest.raises(ValueError, match="no prefill"):
             cache.schedule([item])
-    assert_unchanged(cache, snap)
+    assert_cache_unchanged(cache, snap)
 
 
 def test_accept_errors_leave_the_cache_unchanged():
     config = ple.PLEConfig.preset("tiny")
     layer, = make_layers(config, 1, 9)
     cache, a, b = _warm_cache(config, layer)
-    snap = snapshot(cache)
+    snap = cache_snapshot(cache)
     for n in (0, 4, -1):
         with pytest.raises(ValueError, match="n:"):
             cache.accept(a, n)
@@ -253,7 +234,7 @@ def test_accept_errors_leave_the_cache_unchanged():
         cache.accept(b, 1)
     with pytest.raises(TypeError):
         cache.accept(a, 1.0)
-    assert_unchanged(cache, snap)
+    assert_cache_unchanged(cache, snap)
     cache.accept(a, 2)
     assert cache.length(a) == 5 and cache.context(a) == [1, 2, 3, 6, 7][-config.context_len:]
 
@@ -284,23 +265,29 @@ def test_stale_batches_and_bad_hidden_are_rejected():
     cache = PLECache(config, 3, num_layers=1)
     s = cache.allocate()
     batch = cache.schedule([Prefill(s, [1, 2, 3])])
-    snap = snapshot(cache)
+    snap = cache_snapshot(cache)
     with pytest.raises(ValueError, match="hidden_states"):
         layer.step(torch.randn(4, config.hc_hidden_size), batch, cache)
     with pytest.raises(TypeError, match="hidden_states"):
         layer.step(torch.randn(3, config.hc_hidden_size, dtype=torch.float64), batch, cache)
-    assert_unchanged(cache, snap)
+    assert_cache_unchanged(cache, snap)
     layer.step(torch.randn(3, config.hc_hidden_size), batch, cache)
     with pytest.raises(ValueError, match="stale"):
         layer.step(torch.randn(3, config.hc_hidden_size), batch, cache)
 
 
-def test_multi_layer_contexts_advance_once_per_step():
+def two_layers_one_prefill(seed):
+    """The tiny preset's two PLE layers (`make_layers`), a cache for both, request ``s`` and its prefill of
+    ``[5, 6, 7]`` scheduled: (config, layers, cache, s, batch)."""
     config = ple.PLEConfig.preset("tiny")
-    layers = make_layers(config, 2, 11)
+    layers = make_layers(config, 2, seed)
     cache = PLECache(config, 3, num_layers=2)
     s = cache.allocate()
-    batch = cache.schedule([Prefill(s, [5, 6, 7])])
+    return config, layers, cache, s, cache.schedule([Prefill(s, [5, 6, 7])])
+
+
+def test_multi_layer_contexts_advance_once_per_step():
+    config, layers, cache, s, batch = two_layers_one_prefill(11)
     h = layers[0].step(torch.randn(3, config.hc_hidden_size), batch, cache)
     assert cache.context(s) == [config.eos_token_id] * config.context_len       # not yet: layer 1 pending
     with pytest.raises(RuntimeError, match="in flight"):
@@ -351,11 +338,7 @@ def test_a_failed_step_can_be_retried_without_moving_the_window_twice(monkeypatc
 
 
 def test_the_cache_advances_when_the_last_ple_index_has_run():
-    config = ple.PLEConfig.preset("tiny")
-    layers = make_layers(config, 2, 14)
-    cache = PLECache(config, 3, num_layers=2)
-    s = cache.allocate()
-    batch = cache.schedule([Prefill(s, [5, 6, 7])])
+    config, layers, cache, s, batch = two_layers_one_prefill(14)
     layers[1].step(torch.randn(3, config.hc_hidden_size), batch, cache)      # the last PLE index: advance
     assert cache.context(s) == [6, 7][-config.context_len:]
     with pytest.raises(ValueError, match="stale"):

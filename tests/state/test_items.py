@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import copy
-
 import numpy as np
 import pytest
 import torch
+from _helpers import assert_cache_unchanged, cache_snapshot
 
 import ple
 from ple.state import Decode, PLECache, Prefill, Spec
@@ -56,10 +55,10 @@ def test_bad_token_forms_are_clear_errors(item, tokens, err, words):
     cache = PLECache(config, 3, num_spec_tokens=2)
     a = cache.allocate()
     cache.schedule([Prefill(a, [1, 2])])          # a batch scheduled and never stepped: stays valid on error
-    before = (copy.deepcopy(cache._slots), cache.conv_states.clone(), cache._version)
+    before = cache_snapshot(cache)
     make = {"prefill": Prefill, "spec": Spec, "decode": Decode}[item]
     name = "token" if item == "decode" else "tokens"
     with pytest.raises(err, match=name) as e:
         cache.schedule([make(a, tokens)])
     assert words in str(e.value)
-    assert (cache._slots, cache._version) == (before[0], before[2]) and torch.equal(cache.conv_states, before[1])
+    assert_cache_unchanged(cache, before)

@@ -9,24 +9,14 @@ import json
 
 import pytest
 import torch
+from _helpers import assert_cache_unchanged, cache_snapshot
 
 import ple
 from ple.state import Decode, PLECache, Prefill, Spec
 from ple.testing.layers import random_layer
-from ple.testing.numerics import assert_bitwise_equal
 
 TINY = ple.PLEConfig.preset("tiny")      # 2 PLE layers
 C = TINY.hc_hidden_size
-
-
-def snapshot(cache):
-    return cache.conv_states.clone(), copy.deepcopy(cache._slots)
-
-
-def assert_unchanged(cache, snap):
-    states, slots = snap
-    assert_bitwise_equal(cache.conv_states, states, name="conv_states")
-    assert cache._slots == slots
 
 
 def started_cache(num_spec_tokens=2):
@@ -39,10 +29,10 @@ def started_cache(num_spec_tokens=2):
 
 
 def refused(layer, batch, cache, match, rows=1):
-    snap = snapshot(cache)
+    snap = cache_snapshot(cache)
     with pytest.raises(ValueError, match=match):
         layer.step(torch.randn(rows, C), batch, cache)
-    assert_unchanged(cache, snap)
+    assert_cache_unchanged(cache, snap)
 
 
 def test_a_batch_runs_only_on_the_cache_that_scheduled_it():

@@ -11,8 +11,9 @@ replay with prefill-only and mixed steps). ``poisoned_empty`` is the NaN-poisoni
 manager the checks run the function under. All are usable inside your own pytest tests.
 
 Modules: ``ops`` (hashing, lookups, the gate, the training conv), ``conv`` (the serving conv
-and checkpoints), ``prefill`` (the fused prefill), ``layer``; ``_report`` (the comparisons and
-failure messages).
+and checkpoints), ``prefill`` (the fused prefill), ``layer``; ``cases`` (the tensors the checks
+build their cases from, for tests that draw cases of their own); ``_report`` (the comparisons
+and failure messages).
 """
 
 from ._report import poisoned_empty

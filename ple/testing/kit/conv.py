@@ -24,39 +24,12 @@ from hypothesis import strategies as st
 
 from ... import reference as ref
 from ._report import compare_bits, compare_close, poisoned_empty, row_of
+from .cases import NAN, assign_slots, clone_state, index_tensor, randn, request_rows, rows_view, state_view, to64
 
 __all__ = ["check_ple_conv", "check_export_conv_checkpoints", "conv_cases"]
 
-NAN = float("nan")
 MODES = ("prefill", "decode", "spec")
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _randn(shape, dtype, g):
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
-
-
-def _to64(t):
-    return None if t is None else t.to(torch.float64)
-
-
-def _state(num_slots, C, W, layout, dtype, g):
-    """(``[num_slots, C, W]`` view, the buffer behind it)."""
-    if layout == "cw":
-        buf = _randn((num_slots, C, W), dtype, g)
-        return buf, buf
-    if layout == "wc":
-        buf = _randn((num_slots, W, C), dtype, g)
-        return buf.transpose(1, 2), buf
-    buf = _randn((num_slots, W + 2, C), dtype, g)          # "tail": the last W columns of a wider buffer
-    return buf.transpose(1, 2)[..., 2:], buf
-
-
-def _index(values, dtype, column):
-    t = torch.tensor(values, dtype=dtype)
-    if column:                                              # a column of a 2-D table: stride 2
-        t = torch.stack([t, torch.full_like(t, 12345)], 1)[:, 0]
-    return t
 
 
 def _channels(max_channels):
@@ -92,7 +65,9 @@ def conv_cases(draw: st.DrawFn, mode: str, *, max_channels: int = 300, dtypes: S
 
 
 def build_conv(case: dict[str, Any]) -> dict[str, Any]:
-    """The tensors of one call and what each request reads (the rest of the state is NaN)."""
+    """The tensors of one call, which state columns each request reads (the rest of the state is NaN) and
+    which it must rewrite (``written``). A ``case["wide_rows"]`` (optional, default False) makes the inputs,
+    residual and outer residual the first C columns of wider buffers."""
     g = torch.Generator().manual_seed(case["seed"])
     mode, C, K, d, lens = case["mode"], case["C"], case["K"], case["dilation"], case["lens"]
     dt = case["dtype"]
@@ -100,55 +75,46 @@ def build_conv(case: dict[str, Any]) -> dict[str, Any]:
     S = (K - 1) * d
     R = len(lens)
     W = S + case["spec_len"] - 1 + case["extra_w"]
-    num_slots = R + case["extra_slots"]
-    null_slot = num_slots - 1 if case["null_at_end"] else 0
-    free = [s for s in range(num_slots) if s != null_slot]
-    order = torch.randperm(len(free), generator=g).tolist()
-    slots = [null_slot if case["null_requests"][r] else free[order[r]] for r in range(R)]
-    starts = [0]
-    for n in lens:
-        starts.append(starts[-1] + n)
-    num_rows = starts[-1]
-    if case["token_indices"]:
-        T = num_rows + case["extra_rows"]
-        rows = torch.randperm(T, generator=g)[:num_rows].tolist()
-        token_indices = _index(rows, case["index_dtype"], case["column_indices"])
-    else:
-        T, rows, token_indices = num_rows, list(range(num_rows)), None
-    inputs, residual = _randn((T, C), dt, g), _randn((T, C), dt, g)
-    outer = _randn((T, C), dt, g) if case["outer"] else None
-    weights = _randn((C, K), dt, g) if case["weight_layout"] == "ck" else _randn((K, C), dt, g).t()
-    state, buf = _state(num_slots, C, W, case["layout"], sdt, g)
+    ix, col = case["index_dtype"], case["column_indices"]
+    num_slots, null_slot, slots = assign_slots(R, case["extra_slots"], case["null_at_end"], case["null_requests"], g)
+    starts, T, rows, token_indices = request_rows(lens, g, case["extra_rows"] if case["token_indices"] else None,
+                                                  ix, col)
+    wide = case.get("wide_rows", False)
+    inputs, residual = rows_view(T, C, dt, g, wide), rows_view(T, C, dt, g, wide)
+    outer = rows_view(T, C, dt, g, wide) if case["outer"] else None
+    weights = randn((C, K), dt, g) if case["weight_layout"] == "ck" else randn((K, C), dt, g).t()
+    state, buf = state_view(num_slots, C, W, case["layout"], sdt, g)
     init = None
     has_init = [mode != "prefill"] * R
     if case["init"] is not None:
         has_init = list(case["init_values"])
-        init = torch.tensor(has_init, dtype=torch.bool if case["init"] == "bool" else case["index_dtype"])
+        init = torch.tensor(has_init, dtype=torch.bool if case["init"] == "bool" else ix)
     accepted = case["accepted"] if mode == "spec" else [1] * R
     outside = sorted(set(range(T)) - set(rows))
     for t in (inputs, residual, outer):
         if t is not None:
             t[outside] = NAN                                  # rows of other calls: never read
     read = torch.zeros(num_slots, W, dtype=torch.bool)
+    written = torch.zeros(num_slots, W, dtype=torch.bool)
     for r, slot in enumerate(slots):
-        if slot != null_slot and lens[r] and (mode == "spec" or has_init[r]):
+        if slot == null_slot or lens[r] == 0:
+            continue
+        if mode == "spec" or has_init[r]:
             read[slot, accepted[r] - 1:accepted[r] - 1 + S] = True
+        written[slot, :S + lens[r] - 1 if mode == "spec" else S] = True
     state[~read[:, None, :].expand(num_slots, C, W)] = NAN    # stale columns no correct call reads
     return dict(inputs=inputs, residual=residual, outer=outer, weights=weights, state=state, buf=buf,
-                slots=_index(slots, case["index_dtype"], case["column_indices"]), slot_list=slots,
-                qsl=torch.tensor(starts, dtype=case["index_dtype"]), starts=starts, init=init,
-                accepted=torch.tensor(accepted, dtype=case["index_dtype"]), token_indices=token_indices,
-                null_slot=null_slot, rows=rows)
+                slots=index_tensor(slots, ix, col), slot_list=slots, qsl=torch.tensor(starts, dtype=ix),
+                starts=starts, init=init, accepted=torch.tensor(accepted, dtype=ix), token_indices=token_indices,
+                null_slot=null_slot, rows=rows, outside=outside, written=written)
 
 
-def _clone_state(t):
-    buf = t["buf"].clone()
-    view = torch.as_strided(buf, t["state"].shape, t["state"].stride(),
-                            t["state"].storage_offset() - t["buf"].storage_offset())
-    return view, buf
-
-
-def _run(fn, t, case, *, residual, state, inputs=None, weights=None, outer=None):
+def run_conv(fn: Callable[..., Any], t: dict[str, Any], case: dict[str, Any], *, residual: torch.Tensor,
+             state: torch.Tensor, inputs: torch.Tensor | None = None, weights: torch.Tensor | None = None,
+             outer: torch.Tensor | None = None) -> None:
+    """Run ``fn`` (the signature of ``ple.reference.ple_conv``) on the call `build_conv` made of ``case``,
+    writing ``residual`` and ``state``; ``inputs``, ``weights``, ``outer``: others than the call's (a float64
+    run)."""
     fn(t["inputs"] if inputs is None else inputs, residual, state, t["weights"] if weights is None else weights,
        t["slots"], mode=case["mode"], dilation=case["dilation"],
        query_start_loc=None if case["mode"] == "decode" and case["seed"] % 2 else t["qsl"],
@@ -172,16 +138,16 @@ def check_one_conv(fn: Callable[..., Any], case: dict[str, Any]) -> None:
     """Run one `conv_cases` case through ``fn`` and the reference; ``AssertionError`` on a difference."""
     t = build_conv(case)
     res_ref, res_fn = t["residual"].clone(), t["residual"].clone()
-    (st_ref, buf_ref), (st_fn, buf_fn) = _clone_state(t), _clone_state(t)
-    _run(ref.ple_conv, t, case, residual=res_ref, state=st_ref)
+    (st_ref, buf_ref), (st_fn, buf_fn) = clone_state(t), clone_state(t)
+    run_conv(ref.ple_conv, t, case, residual=res_ref, state=st_ref)
     with poisoned_empty():
-        _run(fn, t, case, residual=res_fn, state=st_fn)
+        run_conv(fn, t, case, residual=res_fn, state=st_fn)
     rows = t["rows"]
     exact = None
     if case["dtype"] in (torch.bfloat16, torch.float16):
-        res64, st64 = _to64(t["residual"]), _to64(t["state"])
-        _run(ref.ple_conv, t, case, residual=res64, state=st64, inputs=_to64(t["inputs"]),
-             weights=_to64(t["weights"]), outer=_to64(t["outer"]))
+        res64, st64 = to64(t["residual"]), to64(t["state"])
+        run_conv(ref.ple_conv, t, case, residual=res64, state=st64, inputs=to64(t["inputs"]),
+                 weights=to64(t["weights"]), outer=to64(t["outer"]))
         exact = res64[rows]
     where_row = lambda idx: f"{row_of(t['starts'], idx[0])} (physical row {rows[idx[0]]}), channel {idx[1]}"  # noqa: E731
     compare_close(res_fn[rows], res_ref[rows], exact, name=f"ple_conv {case['mode']}: residual",
@@ -243,7 +209,12 @@ def export_cases(draw: st.DrawFn, *, max_channels: int = 300,
                 index_dtype=draw(st.sampled_from([torch.int32, torch.int64])), seed=draw(st.integers(0, 2**31 - 1)))
 
 
-def check_one_export(fn: Callable[..., Any], case: dict[str, Any]) -> None:
+def build_export(case: dict[str, Any]) -> dict[str, Any]:
+    """The tensors of one ``export_conv_checkpoints`` call of ``case`` (the keys of `export_cases` but
+    ``index_dtype``: the index tensors are the caller's to make, from ``starts``, ``offsets`` and
+    ``slot_list``): ``x`` (NaN in every row of no request), ``rows`` (``token_indices``, int64, or None),
+    ``state`` and ``buf``, ``null_slot``, and ``target``, the slots whose first S columns a checkpoint must
+    rewrite (NaN now)."""
     g = torch.Generator().manual_seed(case["seed"])
     C, S, lens, dt = case["C"], case["S"], case["lens"], case["dtype"]
     R = len(lens)
@@ -260,23 +231,30 @@ def check_one_export(fn: Callable[..., Any], case: dict[str, Any]) -> None:
         starts.append(starts[-1] + n)
     T = starts[-1] + (2 if case["token_indices"] else 0)
     rows = torch.randperm(T, generator=g)[:starts[-1]] if case["token_indices"] else None
-    x = _randn((T, C), dt, g)
+    x = randn((T, C), dt, g)
     if rows is not None:
         x[sorted(set(range(T)) - set(rows.tolist()))] = NAN
     sdt = dt if case["state_dtype"] == "same" else torch.float32
-    state, buf = _state(num_slots, C, S + 1, case["layout"], sdt, g)
+    state, buf = state_view(num_slots, C, S + 1, case["layout"], sdt, g)
+    target = torch.zeros(num_slots, dtype=torch.bool)
     for o, s in zip(offsets, slots, strict=True):
         if o > 0 and s != null_slot:
-            state[s, :, :S] = NAN                                           # must be fully rewritten
+            target[s] = True
+    state[target, :, :S] = NAN                                              # must be fully rewritten
+    return dict(x=x, rows=rows, state=state, buf=buf, starts=starts, offsets=offsets, slot_list=slots,
+                null_slot=null_slot, target=target)
+
+
+def check_one_export(fn: Callable[..., Any], case: dict[str, Any]) -> None:
+    t = build_export(case)
     ix = case["index_dtype"]
-    kw = dict(query_start_loc=torch.tensor(starts, dtype=ix), offsets=torch.tensor(offsets, dtype=ix),
-              slots=torch.tensor(slots, dtype=ix), state_len=S,
-              token_indices=None if rows is None else rows.to(ix), null_slot=null_slot)
-    t = dict(buf=buf, state=state, slot_list=slots, null_slot=null_slot)
-    (v_ref, b_ref), (v_fn, b_fn) = _clone_state(t), _clone_state(t)
-    ref.export_conv_checkpoints(x, v_ref, **kw)
+    kw = dict(query_start_loc=torch.tensor(t["starts"], dtype=ix), offsets=torch.tensor(t["offsets"], dtype=ix),
+              slots=torch.tensor(t["slot_list"], dtype=ix), state_len=case["S"],
+              token_indices=None if t["rows"] is None else t["rows"].to(ix), null_slot=t["null_slot"])
+    (v_ref, b_ref), (v_fn, b_fn) = clone_state(t), clone_state(t)
+    ref.export_conv_checkpoints(t["x"], v_ref, **kw)
     with poisoned_empty():
-        fn(x, v_fn, **kw)
+        fn(t["x"], v_fn, **kw)
     compare_bits(v_fn, v_ref, name="export_conv_checkpoints: conv_state", where=_state_where(t), case=case)
     compare_bits(b_fn, b_ref, name="export_conv_checkpoints: conv_state's buffer outside the view",
                  where=lambda idx: f"buffer element {idx}", case=case)

@@ -23,7 +23,8 @@ from ... import reference as ref
 from ...config import PLEConfig
 from ..strategies import configs, varlen_batches
 from ._report import compare_bits, compare_close, poisoned_empty, row_of
-from .conv import DTYPES, _randn, _seeded, _settings, _to64
+from .cases import randn, to64
+from .conv import DTYPES, _seeded, _settings
 
 __all__ = ["check_ngram_ids", "check_ngram_embedding", "check_embedding_lookup", "check_ple_gate",
            "check_dilated_causal_conv"]
@@ -121,12 +122,12 @@ def check_ngram_embedding(fn: Callable[..., Any], *,
         g = torch.Generator().manual_seed(case["seed"])
         D = case["D"] or c.ngram_head_dim
         rows = params.num_rows + case["extra_rows"]
-        weight = _randn((rows, D + 2) if case["strided"] else (rows, D), case["dtype"], g)[:, :D]
+        weight = randn((rows, D + 2) if case["strided"] else (rows, D), case["dtype"], g)[:, :D]
         ids = torch.tensor(case["input_ids"], dtype=idt)
         if case["column_ids"]:
             ids = torch.stack([ids, torch.zeros_like(ids)], 1)[:, 0]
         heads = ref.ngram_ids(ids, params, **kw)
-        up = _randn((ids.numel(), heads.shape[1] * D), case["dtype"], g)
+        up = randn((ids.numel(), heads.shape[1] * D), case["dtype"], g)
         wrt = ["weight"] if grad else []
         (want,), gw = _grads(ref.ngram_embedding, dict(weight=weight, input_ids=ids, params=params), wrt,
                              lambda outs: (up,), **kw)
@@ -139,8 +140,8 @@ def check_ngram_embedding(fn: Callable[..., Any], *,
         if grad:
             exact = None
             if case["dtype"] in (torch.bfloat16, torch.float16):
-                _, g64 = _grads(ref.ngram_embedding, dict(weight=_to64(weight), input_ids=ids, params=params), wrt,
-                                lambda outs: (_to64(up),), **kw)
+                _, g64 = _grads(ref.ngram_embedding, dict(weight=to64(weight), input_ids=ids, params=params), wrt,
+                                lambda outs: (to64(up),), **kw)
                 exact = g64["weight"]
             compare_close(gg["weight"], gw["weight"], exact, name="ngram_embedding: weight gradient", case=case,
                           grad=True, where=lambda idx: f"table row {idx[0]}, column {idx[1]}")
@@ -163,10 +164,10 @@ def check_embedding_lookup(fn: Callable[..., Any], *, dtypes: Sequence[torch.dty
     with ``grad`` the table's gradient (repeated ids summed) by the tolerance table."""
     def body(case):
         g = torch.Generator().manual_seed(case["seed"])
-        weight = _randn((case["rows"], case["D"]), case["dtype"], g)
+        weight = randn((case["rows"], case["D"]), case["dtype"], g)
         hi = min(case["rows"], 3) if case["repeats"] else case["rows"]
         ids = torch.randint(0, hi, (case["T"], case["NH"]), generator=g).to(case["index_dtype"])
-        up = _randn((case["T"], case["NH"] * case["D"]), case["dtype"], g)
+        up = randn((case["T"], case["NH"] * case["D"]), case["dtype"], g)
         where_out = lambda idx: (f"token {idx[0]}, head {idx[1] // case['D']} (table row "  # noqa: E731
                                  f"{ids[idx[0], idx[1] // case['D']].item()}), column {idx[1] % case['D']}")
         (want,), gw = _grads(ref.embedding_lookup, dict(weight=weight, ids=ids), ["weight"] if grad else [],
@@ -177,8 +178,8 @@ def check_embedding_lookup(fn: Callable[..., Any], *, dtypes: Sequence[torch.dty
         if grad:
             exact = None
             if case["dtype"] in (torch.bfloat16, torch.float16):
-                _, g64 = _grads(ref.embedding_lookup, dict(weight=_to64(weight), ids=ids), ["weight"],
-                                lambda outs: (_to64(up),))
+                _, g64 = _grads(ref.embedding_lookup, dict(weight=to64(weight), ids=ids), ["weight"],
+                                lambda outs: (to64(up),))
                 exact = g64["weight"]
             compare_close(gg["weight"], gw["weight"], exact, name="embedding_lookup: weight gradient", case=case,
                           grad=True, where=lambda idx: f"table row {idx[0]}, column {idx[1]}")
@@ -208,11 +209,11 @@ def check_ple_gate(fn: Callable[..., Any], *, dtypes: Sequence[torch.dtype] = DT
         C = M * H
 
         def rows(n):
-            t = _randn((T, n + 3) if case["strided"] else (T, n), dt, g) * case["scale"]
+            t = randn((T, n + 3) if case["strided"] else (T, n), dt, g) * case["scale"]
             return t[:, :n]
-        inputs = dict(key=rows(C), value=rows(H), hidden_states=rows(C), norm_key_weight=_randn((C,), dt, g) * 0.3,
-                      norm_query_weight=_randn((C,), dt, g) * 0.3, norm_conv_weight=_randn((C,), dt, g) * 0.3)
-        ups = (_randn((T, C), dt, g), _randn((T, C), dt, g))
+        inputs = dict(key=rows(C), value=rows(H), hidden_states=rows(C), norm_key_weight=randn((C,), dt, g) * 0.3,
+                      norm_query_weight=randn((C,), dt, g) * 0.3, norm_conv_weight=randn((C,), dt, g) * 0.3)
+        ups = (randn((T, C), dt, g), randn((T, C), dt, g))
         wrt = names if grad else []
         want, gw = _grads(ref.ple_gate, inputs, wrt, lambda outs: ups, eps=case["eps"])
         with poisoned_empty():
@@ -221,8 +222,8 @@ def check_ple_gate(fn: Callable[..., Any], *, dtypes: Sequence[torch.dtype] = DT
         # SPEC section 8: where a score lies within 0.05 of zero, float32 is judged like bfloat16.
         ill = dt == torch.float32 and bool((_scores(inputs, H, case["eps"]).abs() < 0.05).any())
         if dt in (torch.bfloat16, torch.float16) or ill:
-            exact, g64 = _grads(ref.ple_gate, {k: _to64(v) for k, v in inputs.items()}, wrt,
-                                lambda outs: tuple(map(_to64, ups)), eps=case["eps"])
+            exact, g64 = _grads(ref.ple_gate, {k: to64(v) for k, v in inputs.items()}, wrt,
+                                lambda outs: tuple(map(to64, ups)), eps=case["eps"])
         where = lambda idx: f"token {idx[0]}, stream {idx[1] // H}, channel {idx[1]} ({idx[1] % H} of the stream)"  # noqa: E731
         for i, name in enumerate(("gated", "conv_input")):
             compare_close(got[i], want[i], exact[i], name=f"ple_gate: {name}", where=where, case=case, judge64=ill)
@@ -269,22 +270,22 @@ def check_dilated_causal_conv(fn: Callable[..., Any], *, dtypes: Sequence[torch.
             starts = [0]
             for n in case["lens"]:
                 starts.append(starts[-1] + n)
-            x = _randn((starts[-1], C), dt, g)
+            x = randn((starts[-1], C), dt, g)
             kw["cu_seqlens"] = torch.tensor(starts, dtype=case["index_dtype"])
             where = lambda idx: f"{row_of(starts, idx[0])}, channel {idx[1]}"  # noqa: E731
         else:
-            x = _randn((case["B"], case["L"], C), dt, g)
+            x = randn((case["B"], case["L"], C), dt, g)
             where = lambda idx: f"sequence {idx[0]}, position {idx[1]}, channel {idx[2]}"  # noqa: E731
-        inputs = dict(x=x, weight=_randn((C, K), dt, g) * 0.5)
-        up = (_randn(tuple(x.shape), dt, g),)
+        inputs = dict(x=x, weight=randn((C, K), dt, g) * 0.5)
+        up = (randn(tuple(x.shape), dt, g),)
         wrt = ["x", "weight"] if grad else []
         (want,), gw = _grads(ref.dilated_causal_conv, inputs, wrt, lambda outs: up, **kw)
         with poisoned_empty():
             (got,), gg = _grads(fn, inputs, wrt, lambda outs: up, **kw)
         exact, g64 = (None,), {}
         if dt in (torch.bfloat16, torch.float16):
-            exact, g64 = _grads(ref.dilated_causal_conv, {k: _to64(v) for k, v in inputs.items()}, wrt,
-                                lambda outs: (_to64(up[0]),), **kw)
+            exact, g64 = _grads(ref.dilated_causal_conv, {k: to64(v) for k, v in inputs.items()}, wrt,
+                                lambda outs: (to64(up[0]),), **kw)
         compare_close(got, want, exact[0], name="dilated_causal_conv: output", where=where, case=case)
         if grad:
             compare_close(gg["x"], gw["x"], g64.get("x"), name="dilated_causal_conv: gradient of x", where=where,

@@ -49,7 +49,7 @@ from hypothesis import strategies as st
 
 from ... import reference as ref
 from ._report import compare_bits, compare_close, fmt_case, poisoned_empty, row_of
-from .conv import NAN, _index, _randn, _state
+from .cases import NAN, assign_slots, clone_state, index_tensor, randn, request_rows, state_view
 from .ops import _grads, _prop, _scores
 
 __all__ = ["check_ple_prefill", "prefill_cases"]
@@ -94,26 +94,18 @@ def build_prefill(case: dict[str, Any]) -> dict[str, Any]:
     M, H, K, d, lens, dt = case["M"], case["H"], case["K"], case["dilation"], case["lens"], case["dtype"]
     C, S, R = M * H, (K - 1) * d, len(lens)
     serving = case["part"] == "serving"
-    starts = [0]
-    for n in lens:
-        starts.append(starts[-1] + n)
-    num_rows = starts[-1]
     ix, col = case["index_dtype"], case["column_indices"]
-    if serving and case["token_indices"]:
-        T = num_rows + case["extra_rows"]
-        rows = torch.randperm(T, generator=g)[:num_rows].tolist()
-        token_indices = _index(rows, ix, col)
-    else:
-        T, rows, token_indices = num_rows, list(range(num_rows)), None
+    starts, T, rows, token_indices = request_rows(lens, g, case["extra_rows"] if serving and case["token_indices"]
+                                                  else None, ix, col)
 
     def rows_of(n, scale):
-        x = _randn((T, n + 3) if case["strided"] else (T, n), dt, g) * scale
+        x = randn((T, n + 3) if case["strided"] else (T, n), dt, g) * scale
         return x[:, :n]
     s = case["scale"]
     inputs = dict(key=rows_of(C, s), value=rows_of(H, 1.0), hidden_states=rows_of(C, s),
-                  norm_key_weight=_randn((C,), dt, g) * 0.3, norm_query_weight=_randn((C,), dt, g) * 0.3,
-                  norm_conv_weight=_randn((C,), dt, g) * 0.3, eps=case["eps"],
-                  conv_weights=(_randn((C, K), dt, g) if case["weight_layout"] == "ck" else _randn((K, C), dt, g).t())
+                  norm_key_weight=randn((C,), dt, g) * 0.3, norm_query_weight=randn((C,), dt, g) * 0.3,
+                  norm_conv_weight=randn((C,), dt, g) * 0.3, eps=case["eps"],
+                  conv_weights=(randn((C, K), dt, g) if case["weight_layout"] == "ck" else randn((K, C), dt, g).t())
                   * 0.5)
     outside = sorted(set(range(T)) - set(rows))
     for name in ("key", "value", "hidden_states"):
@@ -121,44 +113,44 @@ def build_prefill(case: dict[str, Any]) -> dict[str, Any]:
     keep = keep_list = None
     if case["keep"] is not None:
         keep_list = (torch.rand(T, generator=g) < 0.7).tolist()
-        keep = _index([int(k) * (3 if case["keep"] == "int" else 1) for k in keep_list],
-                      torch.bool if case["keep"] == "bool" else ix, col)     # int: any non-zero keeps
+        keep = index_tensor([int(k) * (3 if case["keep"] == "int" else 1) for k in keep_list],
+                            torch.bool if case["keep"] == "bool" else ix, col)     # int: any non-zero keeps
     t = dict(inputs=inputs, starts=starts, rows=rows, outside=outside, C=C, S=S, H=H, keep=keep,
              keep_list=keep_list, qsl=torch.tensor(starts, dtype=ix), token_indices=token_indices, serving=serving)
     if not serving:
         return t
     W = S + case["extra_w"]
-    num_slots = R + case["extra_slots"]
-    null_slot = num_slots - 1 if case["null_at_end"] else 0
-    free = [i for i in range(num_slots) if i != null_slot]
-    order = torch.randperm(len(free), generator=g).tolist()
-    slots = [null_slot if case["null_requests"][r] else free[order[r]] for r in range(R)]
+    num_slots, null_slot, slots = assign_slots(R, case["extra_slots"], case["null_at_end"], case["null_requests"], g)
     sdt = dt if case["state_dtype"] == "same" else torch.float32
-    state, buf = _state(num_slots, C, W, case["layout"], sdt, g)
+    state, buf = state_view(num_slots, C, W, case["layout"], sdt, g)
     has_init, init = [False] * R, None
     if case["init"] is not None:
         has_init = list(case["init_values"])
-        init = _index([int(f) for f in has_init], torch.bool if case["init"] == "bool" else ix, col)
-    read = torch.zeros(num_slots, W, dtype=torch.bool)
-    fresh = torch.zeros(num_slots, W, dtype=torch.bool)      # new columns that are this call's conv inputs
+        init = index_tensor([int(f) for f in has_init], torch.bool if case["init"] == "bool" else ix, col)
+    masks = prefill_state_masks(slots, lens, has_init, null_slot, S, num_slots, W)
+    state[~masks["read"][:, None, :].expand(num_slots, C, W)] = NAN   # stale and untouched columns: never read
+    t.update(state=state, buf=buf, slots=index_tensor(slots, ix, col), slot_list=slots, null_slot=null_slot,
+             init=init, has_init=has_init, fresh=masks["fresh"][:, None, :].expand(num_slots, C, W))
+    return t
+
+
+def prefill_state_masks(slots: Sequence[int], lens: Sequence[int], has_init: Sequence[bool], null_slot: int,
+                        S: int, num_slots: int, W: int) -> dict[str, torch.Tensor]:
+    """The ``[num_slots, W]`` state columns a serving prefill touches (request r: ``lens[r]`` rows on slot
+    ``slots[r]``): ``read``, the old columns :S of a live request (one with rows, off the null slot) with an
+    initial state; ``written``, columns :S of every live request; of those, ``copied``, the old columns moved
+    (column i < S - n, with an initial state), and ``fresh``, this call's conv inputs (S - n <= i < S)."""
+    masks = {k: torch.zeros(num_slots, W, dtype=torch.bool) for k in ("read", "written", "copied", "fresh")}
     for r, slot in enumerate(slots):
         n = lens[r]
         if slot == null_slot or n == 0:
             continue
         if has_init[r]:
-            read[slot, :S] = True
-        fresh[slot, max(S - n, 0):S] = True
-    state[~read[:, None, :].expand(num_slots, C, W)] = NAN   # stale and untouched columns: never read
-    t.update(state=state, buf=buf, slots=_index(slots, ix, col), slot_list=slots, null_slot=null_slot, init=init,
-             has_init=has_init, fresh=fresh[:, None, :].expand(num_slots, C, W))
-    return t
-
-
-def _clone_state(t: dict, dtype=None):
-    buf = t["buf"].clone() if dtype is None else t["buf"].to(dtype)
-    view = torch.as_strided(buf, t["state"].shape, t["state"].stride(),
-                            t["state"].storage_offset() - t["buf"].storage_offset())
-    return view, buf
+            masks["read"][slot, :S] = True
+            masks["copied"][slot, :max(S - n, 0)] = True
+        masks["written"][slot, :S] = True
+        masks["fresh"][slot, max(S - n, 0):S] = True
+    return masks
 
 
 def _kwargs(t: dict, case: dict, state=None) -> dict:
@@ -204,7 +196,7 @@ def check_one_forward(fn: Callable[..., Any], case: dict[str, Any]) -> None:
     t = build_prefill(case)
     kw = _kwargs(t, case)
     g = torch.Generator().manual_seed(case["seed"] + 1)
-    up = (_randn((len(t["rows"]), t["C"]), case["dtype"], g),)
+    up = (randn((len(t["rows"]), t["C"]), case["dtype"], g),)
     want, gw = _grads(ref.ple_prefill, t["inputs"], list(NAMES), lambda outs: up, **kw)
     with poisoned_empty():
         got, gg = _grads(fn, t["inputs"], list(NAMES), lambda outs: up, **kw)
@@ -248,7 +240,7 @@ def _state_where(t: dict, case: dict, what: str) -> Callable[[tuple], str]:
 def check_one_serving(fn: Callable[..., Any], case: dict[str, Any], exact_states: bool | None = None) -> None:
     """One serving case (``conv_state`` given): ``out`` and the whole state buffer."""
     t = build_prefill(case)
-    (st_ref, buf_ref), (st_fn, buf_fn) = _clone_state(t), _clone_state(t)
+    (st_ref, buf_ref), (st_fn, buf_fn) = clone_state(t), clone_state(t)
     with torch.no_grad():
         want = ref.ple_prefill(*t["inputs"].values(), **_kwargs(t, case, st_ref))
         with poisoned_empty():
@@ -256,7 +248,7 @@ def check_one_serving(fn: Callable[..., Any], case: dict[str, Any], exact_states
         ill = _ill(t, case)
         exact = st64 = None
         if case["dtype"] in LOW or ill:
-            st64, _ = _clone_state(t, torch.float64)
+            st64, _ = clone_state(t, torch.float64)
             exact = ref.ple_prefill(*_to64(t["inputs"]).values(), **_kwargs(t, case, st64))
     name = "ple_prefill serving"
     if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
