@@ -17,7 +17,8 @@ machine slows both alike. Cases, and the bar of issue 21 (ple time / transformer
 * ``decode R``: one decode step of R one-token requests after a prefill of prompts of different
   lengths: ``layer.step(hidden, cache.schedule([Decode(slot, token), ...]), cache)`` with a
   ``ple.state.PLECache`` (the host's ``schedule`` is timed: a user pays it every step), eager and as
-  ``torch.compile(layer.step, fullgraph=True)`` (``decode-compiled``), against transformers' call in
+  ``ple.state.CompiledStep(layer)`` (``decode-compiled``: ``compute_step`` under ``torch.compile``),
+  against transformers' call in
   a decode step with its ``DynamicCache`` (prompts left-padded, as its model pads a batch); at most
   0.5 (either).
 
@@ -49,7 +50,7 @@ import bench_decode_cpu
 import common
 import torch
 
-from ple.state import Decode
+from ple.state import CompiledStep, Decode
 from ple.testing.layers import random_layer
 
 MODES = ("forward", "backward", "compiled", "decode")
@@ -236,7 +237,7 @@ def main(argv=None):
                 variants = [("decode", None)]
                 if not args.no_compile:
                     torch._dynamo.reset()
-                    variants.append(("decode-compiled", torch.compile(layer.step, fullgraph=True)))
+                    variants.append(("decode-compiled", CompiledStep(layer)))
                 for name, step in variants:
                     ple, tfn = decode_fns(cfg, layer, tf, tfm, tcfg, R, args.prompt, dtype, step)
                     check = (compare(ple(), tfn(), dtype, bitwise=step is None) if tfn is not None

@@ -9,12 +9,14 @@
 
 ``cache.schedule`` validates on the host and returns the step's plan (``ple.state.batch``);
 ``layer.step`` then reads nothing back from the device. ``schedule(..., pad_to=N)`` and
-`GraphedStep` replay decode / spec steps from CUDA graphs (``ple.state.graphs``).
+`GraphedStep` replay decode / spec steps from CUDA graphs (``ple.state.graphs``); `CompiledStep` runs a
+step's tensor work through ``torch.compile`` (``ple.state.compiled``).
 """
 
 from .batch import StepBatch, StepHost
 from .cache import LAYOUTS, PLECache
+from .compiled import CompiledStep
 from .graphs import GraphedStep
 from .items import Decode, Prefill, Spec
 
-__all__ = ["PLECache", "StepBatch", "StepHost", "Prefill", "Decode", "Spec", "LAYOUTS", "GraphedStep"]
+__all__ = ["PLECache", "StepBatch", "StepHost", "Prefill", "Decode", "Spec", "LAYOUTS", "GraphedStep", "CompiledStep"]
