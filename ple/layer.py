@@ -112,7 +112,12 @@ class NGramEmbedding(nn.Module):
                           self.ngram_embedding.num_rows, self.vocab_size)
 
     def quantize_(self, scheme: str) -> None:
-        """Replace the float table by its quantization, in place: ``"fp8"`` or ``"int8"`` (``ple.quant``)."""
+        """Replace the float table by its quantization, in place: ``"fp8"`` or ``"int8"`` (``ple.quant``).
+        A table whose values are not in memory (on the meta device, e.g. ``ple.io.disk.DiskTable``) is a
+        ``ValueError``: quantize its checkpoint with ``ple.io.convert`` instead."""
+        if self.ngram_embedding.weight.device.type == "meta":
+            raise ValueError(f"table: cannot quantize a table whose values are not in memory "
+                             f"({type(self.ngram_embedding).__name__}); convert its checkpoint with ple.io.convert")
         self.ngram_embedding = QuantizedTable.from_float(self.ngram_embedding.weight.detach(), scheme)
 
 

@@ -18,6 +18,10 @@ preceding decoder layer:
   the host, asynchronously).
 * CUDA, table on the device: the gather runs on a side stream.
 * No CUDA: everything runs synchronously, inside the call.
+* A table in files (``ple.io.disk.DiskTable``, ``load_layer(..., offload="disk")``): its
+  gather (a read of the rows from a memory-mapped file, through its row cache) runs in the
+  worker thread with or without CUDA, through `start_gather`, so the reads overlap the
+  preceding layers; on CUDA the rows are then copied as for a host table.
 
 The next `forward` / `step` (through ``table.rows``) waits for the prefetch and uses
 its rows when its ids equal the ids it computed itself; otherwise (a stale or
@@ -43,13 +47,16 @@ from . import _checks
 from .quant import gather_raw
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import TypeAlias
 
     from .layer import PLELayer
 
     _Rows: TypeAlias = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]   # (ids, rows, row_scale)
+    # (host ids [T, NH], pin) -> (stored rows [T, NH * D], row_scale): see `start_gather`
+    HostGather: TypeAlias = Callable[[torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor | None]]
 
-__all__ = ["offload_table", "is_offloaded", "start_prefetch", "start_fetch", "Prefetch"]
+__all__ = ["offload_table", "is_offloaded", "start_prefetch", "start_fetch", "start_gather", "Prefetch"]
 
 _EXECUTOR: ThreadPoolExecutor | None = None
 
@@ -116,7 +123,8 @@ class Prefetch:
     """A fetch in flight: ``result()`` waits, then gives ``(ids, rows, row_scale)`` on the device."""
 
     def __init__(self, ids: torch.Tensor | None = None, rows: torch.Tensor | None = None,
-                 scale: torch.Tensor | None = None, *, future: Future[tuple[_Rows, torch.cuda.Event]] | None = None,
+                 scale: torch.Tensor | None = None, *,
+                 future: Future[tuple[_Rows, torch.cuda.Event | None]] | None = None,
                  done: torch.cuda.Event | None = None) -> None:
         self._value: _Rows = cast("_Rows", (ids, rows, scale))     # ids and rows are None only with a future
         self._future = future
@@ -162,10 +170,30 @@ def start_fetch(weight: torch.Tensor, weight_scale: torch.Tensor | None, ids: to
         return Prefetch(ids, rows, scale, done=done)
 
     # Table on the host, layer on the GPU: gather + copy in a worker thread.
+    return start_gather(lambda ids_host, pin: gather_raw(weight, weight_scale, ids_host, _pinned_lookup), ids,
+                        device)
+
+
+@torch.no_grad()
+def start_gather(gather: HostGather, ids: torch.Tensor, device: torch.device) -> Prefetch:
+    """Start ``gather(host_ids, pin)`` in the worker thread and move what it returns to ``device``.
+
+    ``gather`` returns the stored rows of host ids ``[T, NH]`` as ``(rows [T, NH * D], row_scale)``
+    (as ``ple.quant.gather_raw`` does), in pinned memory when ``pin`` (True when ``device`` is a
+    CUDA device). For tables that are gathered on the host, wherever they live: in host memory
+    (`start_fetch`) or in files (``ple.io.disk.DiskTable``). It runs in the worker even without
+    CUDA, so a slow gather (a disk read) overlaps the caller's work; on CUDA the rows are then
+    copied on a side stream, and ids on the device are first copied to the host asynchronously.
+    """
+    cuda = device.type == "cuda"
     ids_ready = None
     ids_dev = None
     if ids.device.type == "cpu":
         ids_host = ids
+        if not cuda:
+            ids_dev = ids
+    elif not cuda:
+        ids_host, ids_dev = ids.to("cpu"), ids
     else:
         ids_dev = ids.to(device)
         ids_host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
@@ -173,10 +201,13 @@ def start_fetch(weight: torch.Tensor, weight_scale: torch.Tensor | None, ids: to
         ids_ready = torch.cuda.Event()
         ids_ready.record(torch.cuda.current_stream(ids.device))
 
-    def work() -> tuple[_Rows, torch.cuda.Event]:
+    def work() -> tuple[_Rows, torch.cuda.Event | None]:
         if ids_ready is not None:
             ids_ready.synchronize()
-        rows_h, scale_h = gather_raw(weight, weight_scale, ids_host, _pinned_lookup)
+        rows_h, scale_h = gather(ids_host, cuda)
+        if not cuda:
+            scale_d = None if scale_h is None else scale_h.to(device)
+            return (cast(torch.Tensor, ids_dev).to(device), rows_h.to(device), scale_d), None
         side = torch.cuda.Stream(device=device)
         with torch.cuda.stream(side):
             rows_d = rows_h.to(device, non_blocking=True)

@@ -14,6 +14,11 @@ either, sharded             its tensors DTensors on a device mesh (``ple.distrib
                             ``TableRowwise`` / ``TableColwise``): each rank holds a piece and
                             the lookup is a collective, dispatched through the hook
                             ``ple.distributed`` registers (`register_dtensor_lookup`)
+``ple.io.disk.DiskTable``   any of the stored dtypes left in the checkpoint's files, read
+                            through read-only memory maps and a row cache
+                            (``load_layer(..., offload="disk")``); it overrides `lookup`,
+                            `prefetch` and the placement methods, and the subclass hook
+                            ``_values`` (stored rows to values)
 ==========================  ===============================================================
 
 Dense and quantized tables may live in host memory while the layer runs on a GPU
@@ -129,10 +134,13 @@ class Table(nn.Module):
         if pending is not None:
             got = self._take(pending, ids)
             if got is not None:
-                rows, scale = got
-                # A quantized table has a scale (only a table with a float weight and no scale is not).
-                return dequantize_rows(rows, cast(torch.Tensor, scale), dtype) if self.quantized else rows.to(dtype)
+                return self._values(*got, dtype)
         return self.lookup(ids, dtype, ops=ops, validate=validate)
+
+    def _values(self, rows: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """Stored rows ``[T, NH * D]`` (and their scale) as values in ``dtype``: dequantized, or cast."""
+        # A quantized table has a scale (only a table with a float weight and no scale is not).
+        return dequantize_rows(rows, cast(torch.Tensor, scale), dtype) if self.quantized else rows.to(dtype)
 
     @property
     def is_dtensor(self) -> bool:
@@ -161,7 +169,7 @@ class Table(nn.Module):
             rows = rows.to(ids.device, non_blocking=rows.is_pinned())
             if scale is not None:
                 scale = scale.to(ids.device, non_blocking=scale.is_pinned())
-        return dequantize_rows(rows, cast(torch.Tensor, scale), dtype) if self.quantized else rows.to(dtype)
+        return self._values(rows, scale, dtype)
 
     def _take(self, pending: Prefetch, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``(rows, row_scale)`` of a pending prefetch if it may be used for ``ids``, else None (warns)."""

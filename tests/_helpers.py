@@ -112,3 +112,28 @@ def assert_planted_mistake_caught(check, fn, kw: dict, words: Sequence[str], max
     msg = str(e.value)
     for w in words:
         assert w in msg, msg
+
+
+def assert_same_serving(layer_sets: Sequence, script: Sequence, *, seed: int, num_spec_tokens: int = 2) -> None:
+    """Replay ``script`` (``ple.testing.strategies.random_script``) through each set of layers, each on a new
+    bfloat16 cache of 4 slots, with every warning an error (a prefetch left unused warns): the same tokens
+    and every output bit for bit equal to the first set's."""
+    import warnings
+
+    from ple.state import PLECache
+    from ple.testing.serving import replay
+
+    results = []
+    for layers in layer_sets:
+        cache = PLECache(layers[0].config, 4, num_spec_tokens=num_spec_tokens, num_layers=len(layers),
+                         dtype=torch.bfloat16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            results.append(replay(layers, cache, script, generator=torch.Generator().manual_seed(seed),
+                                  check_states=False))
+    first = results[0]
+    for other in results[1:]:
+        assert other.tokens == first.tokens
+        for rid in first.outputs:
+            for x, y in zip(first.outputs[rid], other.outputs[rid], strict=True):
+                assert_bitwise_equal(y, x, name=f"request {rid} output")

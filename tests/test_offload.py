@@ -7,14 +7,14 @@ import warnings
 
 import pytest
 import torch
+from _helpers import assert_same_serving
 
 from ple import PLEConfig, PLELayer
 from ple.backends import triton_available
 from ple.offload import is_offloaded, offload_table
-from ple.state import PLECache
 from ple.testing.layers import random_layer as _random_layer
 from ple.testing.numerics import assert_bitwise_equal
-from ple.testing.serving import random_script, replay
+from ple.testing.serving import random_script
 
 TINY = PLEConfig.preset("tiny")
 
@@ -82,18 +82,7 @@ def test_prefetched_serving_equals_in_memory(scheme, seed):
     script = random_script(random.Random(seed), vocab_size=TINY.vocab_size, eos_token_id=TINY.eos_token_id,
                            num_requests=5, max_live=3, max_prompt=14, max_chunk=6, max_generate=5,
                            num_spec_tokens=2)
-    results = []
-    for layers in (plain, pref):
-        cache = PLECache(TINY, 4, num_spec_tokens=2, num_layers=2, dtype=torch.bfloat16)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")                      # a prefetch that was not used would warn
-            results.append(replay(layers, cache, script, generator=torch.Generator().manual_seed(seed),
-                                  check_states=False))
-    a, b = results
-    assert a.tokens == b.tokens
-    for rid in a.outputs:
-        for x, y in zip(a.outputs[rid], b.outputs[rid], strict=True):
-            assert_bitwise_equal(y, x, name=f"request {rid} output")
+    assert_same_serving((plain, pref), script, seed=seed)
 
 
 @pytest.mark.parametrize("scheme", [None, "fp8"])

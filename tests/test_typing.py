@@ -1,6 +1,7 @@
 """The package is typed: mypy (pinned in the dev extra, configured in ``pyproject.toml``) finds no error in
-``ple/``, finds the error of a wrong annotation planted in a copy of a public module, and every public
-function and method of the public modules is fully annotated (read from the AST).
+``ple/``, finds the error of a wrong annotation planted in a copy of a public module (both in the deep
+tier, which ``.ci/run`` runs: mypy takes ~30 s from a cold cache), and every public function and method of
+the public modules is fully annotated (read from the AST, in the quick tier).
 
 mypy runs in-process (``mypy.api``) with the repository's config and its cache (``.mypy_cache`` at the
 root, which ``mypy`` from the command line shares): about 30 s the first time, a few seconds after.
@@ -30,11 +31,13 @@ def run_mypy(*targets: str) -> tuple[int, str]:
     return status, out + err
 
 
+@pytest.mark.deep                       # ~30 s of mypy from a cold cache: the deep tier (.ci/run runs it)
 def test_the_package_type_checks():
     status, report = run_mypy(str(PACKAGE))
     assert status == 0, f"mypy found errors in ple/:\n{report}"
 
 
+@pytest.mark.deep
 def test_a_wrong_return_annotation_is_caught(tmp_path):
     src = (PACKAGE / "quant.py").read_text()
     right = "def scheme_of(dtype: torch.dtype) -> Scheme | None:"

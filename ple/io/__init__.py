@@ -12,11 +12,14 @@
 * `convert`: re-shard a checkpoint's tables or change their dtype, block by block.
 * ``ple.io.policy``: what transformers would load wrong, and the ``ple_only`` mark.
 * `inspect`: what a checkpoint holds, from its headers.
+* `DiskTable` (``ple.io.disk``): a table left in its files and read through read-only memory
+  maps and a row cache, ``load_layer(..., offload="disk", cache_bytes=N)``.
 
 Command line: ``python -m ple inspect PATH`` and ``python -m ple convert SRC DST``.
 """
 
 from .convert import convert
+from .disk import DiskTable
 from .files import Checkpoint, TensorInfo
 from .inspect import format_inspect, inspect
 from .layout import MODEL_PREFIX, LayerPlan, find_layers, model_prefix, plan_layer, shard_rows
@@ -26,5 +29,5 @@ from .save import save
 __all__ = [
     "Checkpoint", "TensorInfo", "inspect", "format_inspect", "MODEL_PREFIX", "LayerPlan", "find_layers",
     "model_prefix", "plan_layer", "shard_rows", "LoadReport", "load_layer", "load_layers", "read_table",
-    "read_table_rows", "resolve_config", "convert", "save",
+    "read_table_rows", "resolve_config", "convert", "save", "DiskTable",
 ]

@@ -316,7 +316,8 @@ class Checkpoint:
     def read(self, key: str, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         """Rows ``[start, stop)`` of ``key`` (the whole tensor when both are None), read from the file.
 
-        Only those rows are read; the result is a new CPU tensor.
+        Only those rows are read. The result is a CPU tensor over safetensors' own mapping of the
+        file (no copy): clone it to keep it past a change of the file (``load_layer`` does).
         """
         info = self.info(key)
         whole = start is None and stop is None

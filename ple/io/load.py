@@ -22,7 +22,8 @@ from ..config import PLEConfig
 from ..layer import PLELayer
 from ..quant import Scheme
 from ..reference.hashing import hash_params
-from ..table import QuantizedTable
+from ..table import QuantizedTable, Table
+from .disk import DISK_CACHE_BYTES, DiskTable
 from .files import Checkpoint, dtype_name
 from .layout import (
     BUFFERS,
@@ -40,15 +41,14 @@ from .layout import (
 )
 
 if TYPE_CHECKING:
-    import os
     from typing import TypeAlias
 
     from torch.types import Device
 
-    from .files import CheckpointSource
+    from .files import CheckpointSource, ConfigSource
 
-    # What ``config=`` takes: a PLEConfig, a dict, a preset name or a config.json path (None: found).
-    ConfigSource: TypeAlias = "PLEConfig | dict[str, Any] | str | os.PathLike[str] | None"
+    # What ``offload=`` takes: False (the table on ``device``), True / "host" (host memory), "disk" (its files).
+    Offload: TypeAlias = "bool | Literal['host', 'disk']"
 
 __all__ = ["LoadReport", "load_layer", "load_layers", "resolve_config", "select_prefix", "identify_index",
            "read_table", "read_table_rows", "table_blocks", "CONFIG_METADATA_KEY", "BLOCK_BYTES"]
@@ -196,7 +196,8 @@ def _read_rows(ckpt: Checkpoint, plan: LayerPlan, start: int, stop: int, *, dtyp
     if plan.scheme is not None and plan.scheme.per_row:
         scale = torch.empty((stop - start, 1), dtype=torch.float32, device=device, pin_memory=pin)
     elif plan.scheme is not None:                       # fp8: its per-tensor scale (checked by plan_layer)
-        scale = ckpt.read(cast(str, plan.scale_key)).reshape(1).to(device)
+        # A copy: what the library reads may be a view of its mapping of the file (Checkpoint.read).
+        scale = ckpt.read(cast(str, plan.scale_key)).reshape(1).to(device, copy=True)
     n = _block_rows(plan.dim * plan.table_dtype.itemsize, block_bytes)
     for a, values, row_scale in table_blocks(ckpt, plan, start, stop, n):
         weight[a - start: a - start + values.shape[0]].copy_(values)
@@ -254,7 +255,9 @@ def read_table_rows(path: CheckpointSource, config: ConfigSource = None, ple_lay
 
 
 def _state_dict(ckpt: Checkpoint, plan: LayerPlan, *, device: torch.device, dtype: torch.dtype,
-                table_device: torch.device, pin: bool, block_bytes: int) -> dict[str, torch.Tensor]:
+                table_device: torch.device, pin: bool, block_bytes: int,
+                table: bool = True) -> dict[str, torch.Tensor]:
+    """The layer's tensors by state-dict key; ``table=False`` leaves the table (and its scale) out."""
     cfg = plan.config
     p = plan.prefix
 
@@ -266,14 +269,17 @@ def _state_dict(ckpt: Checkpoint, plan: LayerPlan, *, device: torch.device, dtyp
                 scale = torch.cat([scale[:1].expand(cfg.hc_hidden_size), scale[1:].expand(cfg.hidden_size)])
             scale = scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(())
             t = t.float() * scale
-        return t.to(device=device, dtype=dtype)
+        # A copy: what the library reads may be a view of its mapping of the file, and the layer must not
+        # change (or crash, SIGBUS) when the file is truncated or rewritten after loading.
+        return t.to(device=device, dtype=dtype, copy=True)
 
     sd: dict[str, torch.Tensor] = {}
-    weight, scale = read_table(ckpt, plan, dtype=dtype, device=table_device, pin=pin, block_bytes=block_bytes)
-    sd[TABLE] = weight
-    if scale is not None:
-        per_row = cast(Scheme, plan.scheme).per_row             # a scale comes with a quantized table
-        sd[TABLE_SCALE] = scale if per_row else scale.to(device)
+    if table:
+        weight, scale = read_table(ckpt, plan, dtype=dtype, device=table_device, pin=pin, block_bytes=block_bytes)
+        sd[TABLE] = weight
+        if scale is not None:
+            per_row = cast(Scheme, plan.scheme).per_row             # a scale comes with a quantized table
+            sd[TABLE_SCALE] = scale if per_row else scale.to(device)
     for check in plan.buffers:
         values = check.found if check.found is not None else check.expected
         sd[check.key] = torch.tensor(values, dtype=torch.int64, device=device)
@@ -290,17 +296,17 @@ def _state_dict(ckpt: Checkpoint, plan: LayerPlan, *, device: torch.device, dtyp
 @overload
 def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_index: int = 0, *,
                prefix: str | None = None, backend: str = "reference", device: Device = None,
-               dtype: torch.dtype | None = None, offload: bool = False, block_bytes: int = BLOCK_BYTES,
-               return_report: Literal[False] = False) -> PLELayer: ...
+               dtype: torch.dtype | None = None, offload: Offload = False, cache_bytes: int | None = None,
+               block_bytes: int = BLOCK_BYTES, return_report: Literal[False] = False) -> PLELayer: ...
 @overload
 def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_index: int = 0, *,
                prefix: str | None = None, backend: str = "reference", device: Device = None,
-               dtype: torch.dtype | None = None, offload: bool = False, block_bytes: int = BLOCK_BYTES,
-               return_report: Literal[True]) -> tuple[PLELayer, LoadReport]: ...
+               dtype: torch.dtype | None = None, offload: Offload = False, cache_bytes: int | None = None,
+               block_bytes: int = BLOCK_BYTES, return_report: Literal[True]) -> tuple[PLELayer, LoadReport]: ...
 def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_index: int = 0, *,
                prefix: str | None = None, backend: str = "reference", device: Device = None,
-               dtype: torch.dtype | None = None, offload: bool = False, block_bytes: int = BLOCK_BYTES,
-               return_report: bool = False) -> PLELayer | tuple[PLELayer, LoadReport]:
+               dtype: torch.dtype | None = None, offload: Offload = False, cache_bytes: int | None = None,
+               block_bytes: int = BLOCK_BYTES, return_report: bool = False) -> PLELayer | tuple[PLELayer, LoadReport]:
     """Load PLE layer ``ple_layer_index`` from a safetensors checkpoint.
 
     ``path``: a ``.safetensors`` file, a directory of them (with or without
@@ -323,18 +329,31 @@ def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_in
     ``kv_proj.weight`` is split into ``key_proj`` / ``value_proj``. ``dtype``: the dtype
     of the float tensors (default: that of the projections in the file). ``offload``:
     keep the table in host memory, pinned where CUDA exists (``ple.offload``), and put
-    the rest on ``device``. Returns the layer, or ``(layer, LoadReport)`` with
-    ``return_report``.
+    the rest on ``device`` (``offload=True`` or ``"host"``); ``offload="disk"``: leave the table in
+    its files and read its rows from them as they are needed, through read-only memory maps
+    and a cache of ``cache_bytes`` of hot rows (default ``ple.io.disk.DISK_CACHE_BYTES``, 256
+    MiB; 0: none): the table is a ``ple.io.disk.DiskTable``, whose rows are those of the
+    in-memory table bit for bit and are never all read (``table.stats()`` counts what is).
+    Returns the layer, or ``(layer, LoadReport)`` with ``return_report``.
     """
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise TypeError(f"dtype: expected a torch float dtype, got {dtype!r}")
+    if not isinstance(offload, bool) and offload not in ("host", "disk"):
+        raise ValueError(f"offload: expected False, True or 'host' (host memory), or 'disk' (read from the "
+                         f"checkpoint's files), got {offload!r}")
+    disk = offload == "disk"
+    if cache_bytes is not None:
+        if not disk:
+            raise ValueError(f"cache_bytes: the row cache of a table read from disk; pass offload='disk' with "
+                             f"it (offload is {offload!r})")
+        _checks.int_arg("cache_bytes", cache_bytes, minimum=0)
     _checks.int_arg("block_bytes", block_bytes, minimum=1)
     ckpt, plan = _open_layer(path, config, ple_layer_index, prefix)
     cfg, pfx = plan.config, plan.prefix
     dtype = dtype or plan.model_dtype
     device = torch.device(device) if device is not None else torch.device("cpu")
     table_device = torch.device("cpu") if offload else device
-    pin = offload and torch.cuda.is_available()
+    pin = bool(offload) and not disk and torch.cuda.is_available()
 
     report = LoadReport(pfx, ple_layer_index, table=f"{f'{plan.parts} shards' if plan.sharded else 'whole'}, "
                                                     f"{dtype_name(plan.table_dtype)}",
@@ -347,10 +366,20 @@ def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_in
         warnings.warn(f"load_layer: {report.computed_buffers} absent under {pfx!r}; computed from the config",
                       stacklevel=2)
 
-    sd = _state_dict(ckpt, plan, device=device, dtype=dtype, table_device=table_device, pin=pin,
-                     block_bytes=block_bytes)
-    table = None if plan.scheme is None else QuantizedTable.empty(plan.num_rows, plan.dim, plan.scheme,
-                                                                   device="meta")
+    table: Table | None
+    if disk:
+        table = DiskTable.from_checkpoint(ckpt, plan, dtype=dtype, device=device,
+                                          cache_bytes=DISK_CACHE_BYTES if cache_bytes is None else cache_bytes,
+                                          block_rows=_block_rows(4, block_bytes))
+        sd = _state_dict(ckpt, plan, device=device, dtype=dtype, table_device=table_device, pin=pin,
+                         block_bytes=block_bytes, table=False)
+        if table.scale is not None:
+            sd[TABLE_SCALE] = table.scale                           # the table's own (read once)
+    else:
+        sd = _state_dict(ckpt, plan, device=device, dtype=dtype, table_device=table_device, pin=pin,
+                         block_bytes=block_bytes)
+        table = None if plan.scheme is None else QuantizedTable.empty(plan.num_rows, plan.dim, plan.scheme,
+                                                                       device="meta")
     layer = PLELayer(cfg, ple_layer_index, backend=backend, device="meta", dtype=dtype, table=table)
     layer.load_state_dict(sd, strict=True, assign=True)
     return (layer, report) if return_report else layer

@@ -265,6 +265,10 @@ def save(layers: PLELayer | list[PLELayer] | tuple[PLELayer, ...], path: str | o
         raise ValueError("layers: expected layers of one config")
     parts = cfg.split_ngram_parts if parts is None else _checks.int_arg("parts", parts, minimum=0)
     _checks.int_arg("block_bytes", block_bytes, minimum=1)
+    for la in layers:
+        if la.table.weight.device.type == "meta":              # e.g. a DiskTable: its values are in its files
+            raise ValueError(f"layers: a table whose values are not in memory ({type(la.table).__name__}) is "
+                             f"not saved from the layer; convert its checkpoint with ple.io.convert")
     table_dtype = parse_table_dtype(table_dtype)
     schemes = {table_dtype if table_dtype is not None else scheme_of(la.table.weight.dtype) for la in layers}
     scheme = next((s for s in schemes if isinstance(s, Scheme)), None)

@@ -1,0 +1,383 @@
+"""A table read in place from its checkpoint: `DiskTable`, memory-mapped safetensors files and a row cache.
+
+The real table (320,001,536 rows of 160: 95 GiB in bfloat16, 48 GiB in FP8) need not be in
+memory at all. ``load_layer(path, offload="disk", cache_bytes=N)`` returns a layer whose table
+is a `DiskTable`: every file holding a piece of the table (whole, or its shards, in one file or
+many) is mapped read only (``mmap``, ``PROT_READ``), and a lookup copies just the rows it needs
+out of the mapping. Nothing reads the whole table; the kernel's page cache holds what was read
+recently (it is not the process's own memory, and the kernel gives it back under pressure), and
+a bounded cache of rows in the process's memory (`RowCache`, ``cache_bytes``) keeps hot rows
+across steps whatever the page cache does. It is a ``ple.table.Table``: ``forward``, ``step``,
+``start_prefetch`` and the transformers patch use it as any other table.
+
+A lookup (``table.rows``, through `DiskTable.gather`, on the host):
+
+1. the ids ``[T, NH]`` are deduplicated (``torch.unique``), so a row wanted twice is read once;
+2. the cache is asked for the distinct rows; those it lacks (misses) are read from the mapping,
+   file by file, shard by shard, in row order, by several threads when there are many (a cold
+   read waits on the disk: reading with several threads keeps several reads in flight);
+3. the misses enter the cache, evicting the least recently used rows of their sets (below);
+4. the rows are put back in the ids' order and moved to the ids' device; an FP8 or int8 table is
+   dequantized there, by the formula of the in-memory table (``ple.quant``).
+
+So the rows are the in-memory table's bit for bit: every step is a copy, and dequantization is
+the same elementwise formula. FP8 per-tensor and int8 per-row scales are held in memory (int8:
+4 bytes a row). ``layer.start_prefetch`` runs steps 1-3 in the prefetch worker thread (with or
+without CUDA; ``ple.offload.start_gather``), so the reads overlap the layers before this one.
+
+The cache (`RowCache`, ``ple.io.row_cache``): ``cache_bytes`` bounds its memory, rows and their
+bookkeeping together; rows are kept in the table's stored dtype; it is 16-way set associative,
+least recently used within a set. ``table.stats()`` counts what happened.
+
+Safety (``ple.io.mapped``): the files are mapped read only and never written; each is checked
+when mapped (header and size) and before every read (size and modification time), so a file
+truncated or changed after loading is a ``ValueError`` naming it, not a crash.
+
+A `DiskTable` has no gradient (it is served, not trained) and its ``state_dict`` holds only the
+scales: ``weight`` is a meta tensor ``[rows, D]`` that says the table's shape and dtype (so
+anything that would read the values from it fails loudly), and the values stay in the files.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from .. import _checks
+from ..offload import start_gather
+from ..quant import dequantize_rows, scheme_of
+from ..table import Table, is_float_table
+from .files import Checkpoint, dtype_name, human_bytes
+from .mapped import READ_THREADS, MappedFile, TablePiece, map_view, read_rows
+from .row_cache import CACHE_WAYS, SLOT_OVERHEAD, RowCache
+
+if TYPE_CHECKING:
+    from torch.types import Device
+
+    from ..backends import CustomOps
+    from .layout import LayerPlan
+
+__all__ = ["DiskTable", "RowCache", "DISK_CACHE_BYTES", "CACHE_WAYS", "READ_THREADS"]
+
+DISK_CACHE_BYTES = 256 << 20
+"""Default ``cache_bytes`` of ``load_layer(..., offload="disk")``: the row cache's memory."""
+
+_UNITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+# ---- the table ------------------------------------------------------------------------------------------------
+_COUNTERS = ("gathers", "rows", "unique_rows", "hits", "misses", "rows_read", "bytes_read", "evictions")
+
+
+class DiskTable(Table):
+    """A table whose rows stay in the checkpoint's safetensors files, read through read-only memory maps.
+
+    Build it with ``ple.io.load_layer(path, offload="disk", cache_bytes=N)`` (or
+    `DiskTable.from_checkpoint`); see the module docstring for how lookups, the cache and the
+    safety checks work. ``weight`` is a meta tensor ``[rows, D]`` of the table's dtype (the
+    stored one for FP8 / int8, the layer's for a float table, as the in-memory table would
+    have); ``weight_scale`` (quantized tables) is a real buffer: the FP8 scale moves with the
+    layer (``layer.to(device)``), int8 per-row scales stay in host memory with the rows' cache.
+    Moving or casting the layer changes no file: a float table's rows are cast to the layer's
+    dtype as they are looked up.
+
+    `stats` (this class only; other tables have none) counts the lookups, `reset_stats` zeroes the
+    counters, `clear_cache` empties the cache, `drop_page_cache` asks the kernel to forget the
+    files' pages (for cold measurements), `close` releases the mappings.
+    """
+
+    def __init__(self, pieces: Sequence[TablePiece], files: Sequence[MappedFile], *, num_rows: int, dim: int,
+                 stored_dtype: torch.dtype, value_dtype: torch.dtype | None = None,
+                 weight_scale: torch.Tensor | None = None, cache_bytes: int = DISK_CACHE_BYTES,
+                 ways: int = CACHE_WAYS) -> None:
+        _checks.int_arg("cache_bytes", cache_bytes, minimum=0)
+        _checks.int_arg("ways", ways, minimum=1)
+        super().__init__()
+        self._pieces = [p for p in pieces if p.stop > p.start]
+        self._files = list(files)
+        self._stored = stored_dtype
+        self._value = stored_dtype if value_dtype is None or scheme_of(stored_dtype) else value_dtype
+        self.weight = torch.empty((num_rows, dim), dtype=self._value, device="meta")     # not a buffer
+        if weight_scale is not None:
+            self.register_buffer("weight_scale", weight_scale)
+        row_bytes = dim * stored_dtype.itemsize
+        u = next(u for u in _UNITS if row_bytes % u == 0 and all(p.offset % u == 0 for p in self._pieces))
+        self._unit, self._units, self._row_bytes = _UNITS[u], row_bytes // u, row_bytes
+        self._map_pieces(num_rows)
+        capacity = cache_bytes // (row_bytes + SLOT_OVERHEAD)
+        self._cache = RowCache(capacity, self._units, self._unit, ways=ways,
+                               small_ids=num_rows < 2**31) if capacity else None
+        self._cache_bytes = cache_bytes
+        self._lock = threading.Lock()
+        self._counts = dict.fromkeys(_COUNTERS, 0)
+        self._closed = False
+
+    def _map_pieces(self, num_rows: int) -> None:
+        """One ``[n, units]`` view per file and row alignment, covering every piece aligned that way in it.
+
+        Shards written one after the other (as ``ple.io.save`` writes them) share one view, so a gather is
+        one ``index_select`` per file whatever the shard count (the real model's table has 128 shards).
+        Row ``r`` of piece ``k`` is row ``r + delta[k]`` of view ``view_of[k]``.
+        """
+        rb = self._row_bytes
+        groups: dict[tuple[int, int], list[TablePiece]] = {}
+        for p in self._pieces:
+            groups.setdefault((id(p.file), p.offset % rb), []).append(p)
+        self._views: list[torch.Tensor] = []
+        delta, view_of = [], []
+        index = {}
+        for k, ps in enumerate(groups.values()):
+            base = min(p.offset for p in ps)
+            end = max(p.offset + (p.stop - p.start) * rb for p in ps)
+            self._views.append(map_view(ps[0].file, base, (end - base) // rb, self._units, self._unit))
+            for p in ps:
+                index[id(p)] = (k, (p.offset - base) // rb - p.start)
+        for p in self._pieces:
+            k, d = index[id(p)]
+            view_of.append(k)
+            delta.append(d)
+        self._starts = torch.tensor([p.start for p in self._pieces] + [num_rows], dtype=torch.int64)
+        self._delta = torch.tensor(delta, dtype=torch.int64)
+        self._view_of = torch.tensor(view_of, dtype=torch.int64)
+
+    # ---- building ----------------------------------------------------------------------------------------
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint, plan: LayerPlan, *, dtype: torch.dtype | None = None,
+                        cache_bytes: int = DISK_CACHE_BYTES, device: Device = None,
+                        block_rows: int = 1 << 20) -> DiskTable:
+        """The table of ``plan`` (``ple.io.layout.plan_layer``, so already checked) mapped from its files.
+
+        ``dtype``: the layer's dtype, what a float table's rows are cast to (default: the
+        stored one). ``device``: where an FP8 table's scale goes (the layer's device). int8
+        per-row scales are read into host memory, ``block_rows`` at a time.
+        """
+        files: dict[Path, MappedFile] = {}
+        pieces = []
+        try:
+            for tp in plan.pieces:
+                info = ckpt.info(tp.key)
+                path = info.file
+                if path not in files:
+                    files[path] = MappedFile(path)
+                mf = files[path]
+                begin, _ = mf.span(tp.key, plan.table_dtype, (tp.stop - tp.start, plan.dim))
+                pieces.append(TablePiece(tp.start, tp.stop, tp.key, mf, begin))
+            scale = None
+            if plan.scheme is not None and plan.scheme.per_row:
+                scale = torch.empty((plan.num_rows, 1), dtype=torch.float32)
+                for tp in plan.pieces:
+                    for a in range(tp.start, tp.stop, block_rows):
+                        b = min(a + block_rows, tp.stop)
+                        scale[a:b].copy_(ckpt.read(cast(str, tp.scale_key), a - tp.start, b - tp.start))
+            elif plan.scheme is not None:
+                scale = ckpt.read(cast(str, plan.scale_key)).reshape(1).to(device, copy=True)   # not a view of a map
+            return cls(pieces, list(files.values()), num_rows=plan.num_rows, dim=plan.dim,
+                       stored_dtype=plan.table_dtype, value_dtype=dtype, weight_scale=scale,
+                       cache_bytes=cache_bytes)
+        except BaseException:
+            for mf in files.values():
+                mf.close()
+            raise
+
+    # ---- what it holds -------------------------------------------------------------------------------------
+    @property
+    def files(self) -> list[Path]:
+        """The files the table is read from."""
+        return [f.path for f in self._files]
+
+    @property
+    def stored_dtype(self) -> torch.dtype:
+        """The dtype of the rows in the files (and in the cache)."""
+        return self._stored
+
+    @property
+    def cache(self) -> RowCache | None:
+        """The row cache (None with ``cache_bytes=0``)."""
+        return self._cache
+
+    def extra_repr(self) -> str:
+        nbytes = self.num_rows * self._row_bytes
+        return (f"{self.num_rows}, {self.dim}, dtype={dtype_name(self._stored)}, {human_bytes(nbytes)} in "
+                f"{len(self._files)} file(s), cache={human_bytes(self._cache_bytes)}")
+
+    def stats(self) -> dict[str, int | float]:
+        """What the lookups did since the table was made (or `reset_stats`), prefetches included.
+
+        ``gathers``: lookups and prefetches; ``rows``: rows asked for (``T * NH`` each, repeats
+        counted); ``unique_rows``: distinct rows among them (each gather's own); ``hits``: those
+        found in the cache; ``misses``: those read from the files (``rows_read``, the same
+        count; ``bytes_read`` their bytes); ``hit_rate``: hits / unique rows; ``evictions``:
+        cached rows replaced; ``cached_rows`` / ``capacity_rows``: the cache now and at most;
+        ``cache_bytes``: the bound it was given.
+        """
+        with self._lock:
+            out: dict[str, int | float] = dict(self._counts)
+            out["hit_rate"] = out["hits"] / out["unique_rows"] if out["unique_rows"] else 0.0
+            out["cached_rows"] = len(self._cache) if self._cache is not None else 0
+            out["capacity_rows"] = self._cache.capacity if self._cache is not None else 0
+            out["cache_bytes"] = self._cache_bytes
+        return out
+
+    def reset_stats(self) -> None:
+        """Zero the counters of `stats` (the cache keeps its rows)."""
+        with self._lock:
+            self._counts = dict.fromkeys(_COUNTERS, 0)
+
+    def clear_cache(self) -> None:
+        """Empty the row cache."""
+        with self._lock:
+            if self._cache is not None:
+                self._cache.clear()
+
+    def drop_page_cache(self) -> None:
+        """Ask the kernel to drop the files' pages from the page cache (this process's mapped pages first),
+        so the next reads come from the disk: for cold measurements. A hint the kernel may ignore."""
+        with self._lock:
+            for f in self._files:
+                f.drop_page_cache()
+
+    def close(self) -> None:
+        """Release the mappings and files; a lookup afterwards raises ``RuntimeError``."""
+        with self._lock:
+            self._closed = True
+            self._views = []
+            for f in self._files:
+                f.close()
+
+    # ---- lookups --------------------------------------------------------------------------------------------------
+    def gather(self, ids: torch.Tensor, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stored rows of host ids ``[T, NH]``: ``(rows [T, NH * D] in the stored dtype, row_scale)``.
+
+        As ``ple.quant.gather_raw`` gives them: ``row_scale`` is None (float), the FP8 scale
+        ``[1]`` or the int8 rows' scales ``[T, NH]``. ``pin``: into pinned memory (for a copy to
+        a GPU). Ids outside ``[0, rows)`` are a ``ValueError`` naming ``ids``; a file changed
+        since it was mapped is a ``ValueError`` naming it (nothing read, nothing changed).
+        """
+        T, NH = ids.shape
+        D = self.dim
+        flat = ids.reshape(-1).to(torch.int64)
+        out = torch.empty((flat.numel(), self._units), dtype=self._unit, pin_memory=pin)
+        if flat.numel():
+            uniq, inverse = torch.unique(flat, sorted=True, return_inverse=True)
+            lo, hi = int(uniq[0]), int(uniq[-1])
+            if lo < 0 or hi >= self.num_rows:
+                raise ValueError(f"ids: rows must lie in [0, {self.num_rows}), got min {lo} and max {hi}")
+            with self._lock:
+                urows = self._distinct_rows(uniq)
+                self._counts["rows"] += flat.numel()
+            torch.index_select(urows, 0, inverse, out=out)
+        rows = out.view(torch.uint8).view(self._stored).view(T, NH * D)
+        scale = self.scale
+        if scale is not None and scale.dim() == 2:                      # int8: per-row scales, in memory
+            row_scale = torch.empty(flat.numel(), dtype=torch.float32, pin_memory=pin)
+            torch.index_select(scale.view(-1), 0, flat, out=row_scale)
+            return rows, row_scale.view(T, NH)
+        return rows, scale
+
+    def _distinct_rows(self, uniq: torch.Tensor) -> torch.Tensor:
+        """Rows of sorted distinct ids ``[n]`` as ``[n, units]``: hits from the cache, misses read. Holds the lock."""
+        if self._closed:
+            raise RuntimeError("DiskTable: the table was closed; load the layer again")
+        n = uniq.numel()
+        cache = self._cache
+        if cache is not None:
+            sets, slots = cache.find(uniq)
+            hit = slots >= 0
+            hit_idx, miss_idx = hit.nonzero().squeeze(1), (~hit).nonzero().squeeze(1)
+            miss_ids = uniq.index_select(0, miss_idx)
+        else:
+            miss_ids = uniq
+        misses = self._read(miss_ids)                     # checks the files first: may raise, nothing changed
+        if cache is None:
+            urows = misses
+            hits = 0
+            evicted = 0
+        else:
+            urows = torch.empty((n, self._units), dtype=self._unit)
+            hit_slots = slots.index_select(0, hit_idx)
+            hits = hit_idx.numel()
+            if hits:
+                urows.index_copy_(0, hit_idx, cache.store.index_select(0, hit_slots))
+            if miss_idx.numel():
+                urows.index_copy_(0, miss_idx, misses)
+            evicted = cache.update(hit_slots, miss_ids, sets.index_select(0, miss_idx), misses)
+        c = self._counts
+        c["gathers"] += 1
+        c["unique_rows"] += n
+        c["hits"] += hits
+        c["misses"] += miss_ids.numel()
+        c["rows_read"] += miss_ids.numel()
+        c["bytes_read"] += miss_ids.numel() * self._row_bytes
+        c["evictions"] += evicted
+        return urows
+
+    def _read(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows of sorted distinct ids from the mappings, ``[n, units]``: each file checked first."""
+        out = torch.empty((ids.numel(), self._units), dtype=self._unit)
+        if not ids.numel():
+            return out
+        piece = torch.searchsorted(self._starts, ids, right=True) - 1
+        checked = set()
+        for k in torch.unique(piece).tolist():                           # before any byte of a file is read
+            p = self._pieces[k]
+            if id(p.file) not in checked:
+                p.file.check(p.key)
+                checked.add(id(p.file))
+        rows = ids + self._delta.index_select(0, piece)                   # rows of the views
+        if len(self._views) == 1:
+            read_rows([(self._views[0], rows, out)])
+            return out
+        view = self._view_of.index_select(0, piece)
+        parts = []
+        for v, source in enumerate(self._views):
+            sel = (view == v).nonzero().squeeze(1)
+            if sel.numel():
+                parts.append((source, rows.index_select(0, sel), sel,
+                              torch.empty((sel.numel(), self._units), dtype=self._unit)))
+        read_rows([(source, r, part) for source, r, _, part in parts])     # every file's reads at once
+        for _, _, sel, part in parts:
+            out.index_copy_(0, sel, part)
+        return out
+
+    def lookup(self, ids: torch.Tensor, dtype: torch.dtype, *, ops: ModuleType | CustomOps,
+               validate: bool = True) -> torch.Tensor:
+        """`rows` without a prefetch: gathered now, on the host (``ops`` is not used: rows are read here)."""
+        _checks.index("ids", ids, ndim=2)
+        cuda = ids.device.type == "cuda"
+        rows, scale = self.gather(ids.to("cpu"), cuda)                   # range-checked there, always
+        rows = rows.to(ids.device, non_blocking=cuda)
+        if scale is not None:
+            scale = scale.to(ids.device, non_blocking=cuda and scale.is_pinned())
+        return self._values(rows, scale, dtype)
+
+    def _values(self, rows: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        if self.quantized:
+            return dequantize_rows(rows, cast(torch.Tensor, scale), dtype)
+        return rows.to(self._value).to(dtype)          # as the in-memory table: cast to the layer's dtype first
+
+    def prefetch(self, ids: torch.Tensor, device: torch.device) -> None:
+        """Start reading the rows of ``ids`` ``[T, NH]`` in the prefetch worker (``ple.offload.start_gather``)."""
+        self._pending = start_gather(self.gather, ids, torch.device(device))
+
+    # ---- placement ------------------------------------------------------------------------------------------------
+    def offload_(self, *, pin: bool | None = None) -> DiskTable:
+        """Nothing to do: the table is already out of device memory (in its files). Returns self."""
+        self._pending = None
+        return self
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> DiskTable:
+        # No file changes: a float table takes the new dtype for its lookups (as the in-memory table's values
+        # would be cast), an FP8 scale moves with the layer (bit for bit), int8 per-row scales stay on the host.
+        if is_float_table(self._value) and scheme_of(self._stored) is None:
+            self._value = fn(torch.empty(0, dtype=self._value)).dtype
+            self.weight = torch.empty(tuple(self.weight.shape), dtype=self._value, device="meta")
+        scale = self.scale
+        if scale is not None and scale.dim() == 1:
+            self._buffers["weight_scale"] = fn(scale.view(torch.int32)).view(torch.float32)
+        return self
+
+
