@@ -135,6 +135,7 @@ def test_ple_gate_zero_score(dtype):
     assert torch.equal(grads[2][1, H:], torch.zeros(H, dtype=dtype))
 
 
+@pytest.mark.deep                   # depth: the fwd/bwd property and the kit check the kernels in the quick tier
 def test_ple_gate_gradcheck_float64():
     tensors = [t.requires_grad_() for t in _gate_inputs(2, 2, 3, torch.float64, 5)]
     assert torch.autograd.gradcheck(lambda *x: fast_gate(*x, 1e-6), tensors, eps=1e-6, atol=1e-6, rtol=1e-5)
@@ -219,7 +220,8 @@ def _all_grads(tensors, seed, eps=1e-6):
 
 # T = 37: two full chunks of DETERMINISTIC_CHUNK (16) tokens and a ragged one; H = 24 with M = 3.
 @pytest.mark.usefixtures("deterministic_mode")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.deep),  # quick: bf16
+                                   torch.bfloat16])
 def test_ple_gate_deterministic(monkeypatch, dtype):
     """Deterministic mode: outputs and gradients bit for bit equal across two runs and across block sizes,
     and as close to the reference as the default mode."""
