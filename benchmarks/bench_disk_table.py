@@ -92,21 +92,22 @@ def config_for_rows(rows: int, smoke: bool) -> PLEConfig:
     return PLEConfig(**{**real.to_dict(), "ngram_vocab_size_base": base, **kw})
 
 
-def rss_anon() -> int:
-    """This process's anonymous resident memory (its own; the page cache of mapped files is not in it)."""
-    with open("/proc/self/status") as fh:
+def _kib_field(path: str, name: str) -> int:
+    """Bytes of the ``name:`` line (in kB) of a /proc file; 0 where there is none."""
+    with open(path) as fh:
         for line in fh:
-            if line.startswith("RssAnon:"):
+            if line.startswith(name + ":"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def rss_anon() -> int:
+    """This process's anonymous resident memory (its own; the page cache of mapped files is not in it)."""
+    return _kib_field("/proc/self/status", "RssAnon")
 
 
 def memory_bytes() -> int:
-    with open("/proc/meminfo") as fh:
-        for line in fh:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return _kib_field("/proc/meminfo", "MemTotal")
 
 
 # ---- the checkpoint ------------------------------------------------------------------------------------------
