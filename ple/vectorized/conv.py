@@ -100,45 +100,13 @@ def ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Ten
              num_accepted_tokens: torch.Tensor | None = None, spec_query_len: int = 1,
              token_indices: torch.Tensor | None = None, outer_residual: torch.Tensor | None = None,
              null_slot: int = 0, validate: bool = True) -> None:
-    """One serving step of the conv, in place: ``residual += y (+ outer_residual)``; states updated.
-
-    Shapes: ``inputs``, ``residual``, ``outer_residual``: ``[T, C]`` (physical rows);
-    ``conv_state``: ``[num_slots, C, W]``, any strides, ``W >= S`` (``S + spec_query_len - 1``
-    for spec); ``conv_weights``: ``[C, K]``; ``state_indices``: ``[R]``, any stride.
-    Logical row i of the call is physical row ``token_indices[i]`` (identity if None).
-
-    Modes (SPEC section 6):
-
-    * ``"prefill"``: requests cut by ``query_start_loc`` (``[R+1]``, logical rows);
-      ``has_initial_states[r]`` (default: all False, i.e. new sequences) says whether
-      the slot's columns ``[0, S)`` are the request's history or zeros are. After the
-      call, columns ``[0, S)`` hold the last S inputs of the history. Empty requests
-      change nothing.
-    * ``"decode"``: one row per request (logical row r is request r; ``query_start_loc``
-      may be given, as ``[0, 1, ..., R]``); ``has_initial_states`` defaults to all True.
-    * ``"spec"``: 1..``spec_query_len`` rows per request; the history is columns
-      ``[o, o + S)`` with ``o = num_accepted_tokens[r] - 1``, always read; afterwards
-      columns ``[0, S + q - 1)`` hold the history without its first column.
-
-    All requests at once: logical row i finds its request r (``searchsorted`` on
-    ``query_start_loc``) and its position p; tap j reads ``hist_r[S + p - lag_j]``,
-    from ``inputs`` or from the slot's old columns. The new columns
-    ``new[:, c] = hist_r[base + c]`` for ``c < n_write`` (``base = q_r``, ``n_write = S``;
-    spec: ``base = 1``, ``n_write = S + q_r - 1``) are computed from the states as they
-    were before the call, then written. Inputs are stored in the state's dtype (a history
-    read from the state goes through the input dtype first).
-
-    Rows of a request whose slot is ``null_slot`` get no conv term (``outer_residual``
-    is still added); their outputs do not depend on the null slot's contents and its bits
-    are unchanged (the write has a fixed shape, so the null slot's own bits, read before
-    the call, are written back to it; see ``_write_windows``). The residual adds are
-    rounded one at a time: ``(residual + y) + outer_residual``.
-
-    ``validate=False`` skips the value checks (index ranges, offsets, distinct slots);
-    for callers that validated on the host, e.g. ``PLECache.schedule``; out-of-range
-    values are then undefined behaviour. Either way no tensor is turned into a Python
-    value after the checks.
-    """
+    # The docstring is the reference's (twin). How this one computes: decode rows go to
+    # `decode.decode_conv`; prefill and spec requests are handled all at once: logical row i finds its
+    # request r (searchsorted on query_start_loc) and its position p, tap j reads hist_r[S + p - lag_j]
+    # from inputs or from the slot's old columns, and the new columns (new[:, c] = hist_r[base + c],
+    # base = q_r and S of them; spec: base = 1, S + q_r - 1 of them) are computed from the states as they
+    # were before the call, then written with a fixed shape: the null slot's own bits, read first, are
+    # written back to it (`_write_windows`). No tensor becomes a Python value after the checks.
     check = _checks.ple_conv_call if validate else _checks.ple_conv_meta
     check(inputs, residual, conv_state, conv_weights, state_indices, mode=mode, dilation=dilation,
           query_start_loc=query_start_loc, has_initial_states=has_initial_states,
