@@ -6,12 +6,13 @@ states are equal bit for bit in every dtype. Unlike the reference, nothing here 
 values on the host once the checks have run (``validate=False`` skips those too): requests are
 found with ``torch.searchsorted`` on the device offsets, conv histories are gathered with index
 arithmetic, and state writes have a fixed shape. So a serving step makes no device-to-host
-synchronisation and ``torch.compile(fullgraph=True)`` traces the layer and its step. This is
+synchronisation and ``torch.compile(fullgraph=True)`` traces the layer and its step (the one host
+read left is of CPU tensors: the blocked CPU forward reads its sequence offsets). This is
 the default of ``backend="auto"`` where Triton cannot run compiled (the CPU).
 
 Speed on a CPU comes from few, large ops and small temporaries: the norms without ``pow`` or
 mixed-dtype ops, the gate and the whole-sequence forward in blocks of rows whose float32
-temporaries stay in cache (``gate.block_rows``), the conv as shifted-slice multiply-adds with an
+temporaries are buffers reused from block to block (``gate.BlockGate``), the conv as shifted-slice multiply-adds with an
 ``autograd.Function`` backward, the hash as one window gather, a decode step in a fixed number of
 ops; under ``torch.compile`` formulations inductor fuses without recomputation (see the modules).
 In float32 and float64 the forward rounds as the reference does too (blocks keep vector lanes,

@@ -1,12 +1,16 @@
 """``ple_prefill`` as the composition of this backend's ops (SPEC section 7): ``ple_gate`` -> ``keep`` mask ->
 ``dilated_causal_conv`` (``conv_state=None``) or ``ple_conv(mode="prefill")`` -> ``(gated + y) + hidden_states``.
 
-Without a conv state and with nothing recording autograd (inference, evaluation) the composition runs
-in blocks of rows (``gate.block_rows``), gate, mask, conv and both adds of one block after the other,
-so every float32 temporary is small and stays in cache; each block's conv reads the S conv inputs
-before it, and the rows at the head of every packed sequence but the first are recomputed at the end
-(``training_conv.tap_sum``'s fix). Same ops, same rounding points, same bits as the unblocked
-composition, which runs when autograd records.
+On the CPU, without a conv state and with nothing recording autograd (inference, evaluation), the
+composition runs in blocks of rows (``gate.block_rows``, 64 at C = 2048): a first pass makes every
+row's score sums, the gates of all rows follow at once, and a second pass runs gate, mask, conv and
+both adds of one block after the other in scratch buffers of one block (``gate.BlockGate``), so only
+the output is a ``[T, C]`` tensor and every temporary stays in cache. Each block's conv reads a window
+of the S conv inputs before it, carried over from the block before, and the first S rows of every
+packed sequence but the first are recomputed without the sequence before. That path reads the
+(CPU) sequence offsets on the host, which is no device synchronisation. Same ops, same rounding
+points, same bits as the unblocked composition, which runs everywhere else
+(``tests/vectorized/test_blocked.py`` checks it against the reference across many blocks).
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from .. import reference as _reference
 from ..backends import twin
 from ..reference.gate import acc_dtype
 from .conv import ple_conv
-from .gate import _gate_block, block_rows, gate, records_grad
-from .training_conv import _conv, _sequence_heads, conv_activation, exact_products, tap_sum
+from .gate import BlockGate, block_rows, gate, records_grad
+from .training_conv import _conv, conv_activation, exact_products
 
 __all__ = ["ple_prefill"]
 
@@ -43,7 +47,7 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
     H = value.shape[1]
     norms = (norm_key_weight, norm_query_weight, norm_conv_weight)
     grad = records_grad(key, value, hidden_states, *norms, conv_weights)
-    if conv_state is None and not grad and not torch.compiler.is_compiling():
+    if conv_state is None and not grad and key.device.type == "cpu" and not torch.compiler.is_compiling():
         return _forward_blocked(key, value, hidden_states, *norms, eps, H, conv_weights, dilation,
                                 query_start_loc, keep)
     gated, conv_input = gate(key, value, hidden_states, *norms, eps, H)
@@ -71,7 +75,14 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
 
 def _forward_blocked(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps, H,
                      conv_weights, dilation, query_start_loc, keep):
-    """``(gated + y) + hidden_states`` of whole requests from zero history, without autograd, in blocks."""
+    """``(gated + y) + hidden_states`` of whole requests from zero history, without autograd, in blocks.
+
+    Only the output is a ``[T, C]`` buffer: each block's gated values and conv inputs live in scratch
+    buffers of one block, which the next block reuses (so they stay in cache), and the conv reads a
+    window of the S conv inputs before the block (kept from the block before, zeros at the start) and
+    the block's own. Rows less than S after the start of a packed sequence other than the first would
+    read the sequence before: their tap sums are recomputed with those terms zero (`_sequence_head_rows`).
+    """
     T, C = key.shape
     dt = key.dtype
     acc = acc_dtype(dt)
@@ -79,36 +90,76 @@ def _forward_blocked(key, value, hidden_states, norm_key_weight, norm_query_weig
     S = (K - 1) * dilation
     wt = conv_weights.to(acc).t().contiguous()                         # [K, C]
     exact = exact_products(dt, conv_weights.dtype)
-    cu = query_start_loc.to(torch.int64)
-    fix = cu.numel() > 2 and S > 0 and T > 0                             # packed sequences after the first
-    gated, conv_input = key.new_empty(T, C), key.new_empty(T, C)
-    out = key.new_empty(T + fix, C)                                      # + a scratch row for the fix
+    n = max(block_rows(T, C), -(-S // 64) * 64)                          # a block holds the next one's history
+    out = key.new_empty(T, C)
+    gated = key.new_empty(min(n, T), C)
+    window = key.new_zeros(S + min(n, T), C, dtype=acc)                 # S rows of history, then the block's
+    conv_input = key.new_empty(min(n, T), C) if acc != dt else None      # rounded to dt, then widened
     mask = None if keep is None else (keep != 0).to(dt)[:, None]
-    norms = (norm_key_weight, norm_query_weight, norm_conv_weight, eps, H)
-    n = block_rows(T, C)
+    block = BlockGate(min(n, T), key, norm_key_weight, norm_query_weight, norm_conv_weight, eps, H)
+    heads = _sequence_head_rows(query_start_loc, S, T, n)
+    lags = [(K - 1 - j) * dilation for j in range(K)]
+    zero = key.new_zeros((), dtype=acc)
+    taps = key.new_empty(min(n, T), C, dtype=acc)                        # the block's tap sums
+    product = None if exact else key.new_empty(min(n, T), C, dtype=acc)
+    sums = key.new_empty(T, C // H)
+    for a in range(0, T, n):
+        block.score_sums(key[a:a + n], hidden_states[a:a + n], sums[a:a + n])
+    gates = block.gates(sums)
     for a in range(0, T, n):
         b = min(a + n, T)
-        _gate_block(key[a:b], value[a:b], hidden_states[a:b], *norms, gated=gated[a:b], conv_input=conv_input[a:b])
+        m = b - a
+        if a and S:
+            window[:S].copy_(window[n:n + S])                          # the last S inputs of the block before
+        g, x = gated[:m], window[S:S + m]
+        ci = x if conv_input is None else conv_input[:m]
+        block.gate_rows(gates[a:b], value[a:b], g, ci)
         if mask is not None:
-            gated[a:b].mul_(mask[a:b])
-            conv_input[a:b].mul_(mask[a:b])
-        h0 = max(a - S, 0)                                               # the block's conv reads S rows back
-        y = conv_activation(tap_sum(conv_input[h0:b].to(acc), wt, dilation, exact=exact)[a - h0:], dt, inplace=True)
-        torch.add(gated[a:b], y, out=y)
+            g.mul_(mask[a:b])
+            ci.mul_(mask[a:b])
+        if conv_input is not None:
+            x.copy_(ci)
+        # SPEC 8: from zero, in tap order. The first term as 0 + x * w in one addcmul (even a fused one
+        # rounds x * w + 0 once, like the product then the add, signed zeros included); then each tap's
+        # product is rounded before its add (``training_conv.multiply_add_``, into a scratch product
+        # where products are not exact).
+        s = torch.addcmul(zero, window[S - lags[0]:S - lags[0] + m], wt[0], out=taps[:m])
+        for j in range(1, K):
+            xs = window[S - lags[j]:S - lags[j] + m]
+            if product is None:
+                s.addcmul_(xs, wt[j])
+            else:
+                s.add_(torch.mul(xs, wt[j], out=product[:m]))
+        if a in heads:
+            rows, pos = heads[a]
+            fixed = s.new_zeros(rows.numel(), C)
+            for j, lag in enumerate(lags):                             # terms before the sequence's start: zero
+                valid = (pos >= lag)[:, None]
+                term = wt[j] * window.index_select(0, torch.where(pos >= lag, rows + S - lag, 0))
+                fixed = fixed + torch.where(valid, term, 0.0)
+            s.index_copy_(0, rows, fixed)
+        y = conv_activation(s, dt, inplace=True)
+        torch.add(g, y, out=y)
         torch.add(y, hidden_states[a:b], out=out[a:b])
-    if not fix:
-        return out
-    # Rows at the head of every sequence but the first read the sequence before: recompute them.
-    rows, inside = _sequence_heads(cu, S, T)
-    p = torch.arange(S, device=key.device)
-    src_rows = torch.where(inside, rows, 0)
-    u = key.new_zeros(rows.numel(), C, dtype=acc)
-    for j in range(K):
-        lag = (K - 1 - j) * dilation
-        valid = (p >= lag) & inside
-        src = torch.where(valid, rows - lag, 0).flatten()
-        u = u + wt[j] * conv_input.index_select(0, src).to(acc) * valid.flatten()[:, None].to(acc)
-    y = conv_activation(u, dt, inplace=True)
-    src_rows = src_rows.flatten()
-    fixed = (gated.index_select(0, src_rows) + y) + hidden_states.index_select(0, src_rows)
-    return out.index_copy_(0, torch.where(inside, rows, T).flatten(), fixed)[:T]
+    return out
+
+
+def _sequence_head_rows(query_start_loc: torch.Tensor, S: int, T: int, n: int) -> dict:
+    """The rows less than S after the start of every packed sequence but the first, by block of ``n`` rows:
+    ``{block start: (rows in the block, their positions in their sequence)}``, int64 on the host's device.
+
+    Reads ``query_start_loc`` on the host (`_forward_blocked` runs on the CPU only)."""
+    cu = query_start_loc.to(torch.int64)
+    if cu.numel() <= 2 or S == 0 or T == 0:
+        return {}
+    p = torch.arange(S)
+    rows = cu[1:-1, None] + p
+    inside = rows < cu[2:, None]
+    rows, pos = rows[inside], p.expand_as(inside)[inside]             # in row order
+    counts = torch.bincount(rows // n, minlength=-(-T // n)).tolist()
+    out, i = {}, 0
+    for blk, c in enumerate(counts):
+        if c:
+            out[blk * n] = (rows[i:i + c] - blk * n, pos[i:i + c])
+            i += c
+    return out
