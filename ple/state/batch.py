@@ -119,6 +119,14 @@ def _cumsum(lengths: Iterable[int]) -> list[int]:
 def host_layout(cache: PLECache, parsed: list[tuple[Prefill | Decode | Spec, list[int]]],
                 pad_to: int | None) -> tuple[StepHost, dict[str, Any]]:
     """The host twins of a step's metadata and the plan's scalar fields."""
+    if pad_to is None and all(type(item) is Decode for item, _ in parsed):
+        return decode_layout(cache, parsed)
+    return general_layout(cache, parsed, pad_to)
+
+
+def general_layout(cache: PLECache, parsed: list[tuple[Prefill | Decode | Spec, list[int]]],
+                   pad_to: int | None) -> tuple[StepHost, dict[str, Any]]:
+    """`host_layout` of any batch."""
     null, eos = cache.null_slot, cache.config.eos_token_id
     N1 = cache.config.context_len
     slots = cache._slots
@@ -167,6 +175,28 @@ def host_layout(cache: PLECache, parsed: list[tuple[Prefill | Decode | Spec, lis
         num_prefills=len(pre), num_prefill_tokens=sum(len(t) for _, _, t in pre),
         has_checkpoints=any(item.checkpoint_at for _, item, _ in pre) and cache.state_len > 0,
         realign=realign, pad_to=pad_to)
+    return host, scalars
+
+
+def decode_layout(cache: PLECache, parsed: list[tuple[Prefill | Decode | Spec, list[int]]]
+                   ) -> tuple[StepHost, dict[str, Any]]:
+    """`host_layout` of a batch of decodes only, unpadded (the commonest step), written out directly: the values
+    of `general_layout` (``tests/state/test_schedule_fast.py`` compares the two), in a quarter of its time."""
+    slots = cache._slots
+    R = len(parsed)
+    state_indices = [item.slot for item, _ in parsed]
+    rows = list(range(R))
+    host = StepHost(
+        input_ids=[t[0] for _, t in parsed], query_start_loc=list(range(R + 1)),
+        ngram_context=[list(slots[s].context) for s in state_indices],
+        spec_token_indices=[], spec_query_start_loc=[0], spec_state_indices=[], num_accepted_tokens=[],
+        non_spec_token_indices=rows, state_indices=state_indices, has_initial_states_d=[1] * R,
+        has_initial_states_p=[], query_start_loc_p=[0], checkpoint_offsets=[], checkpoint_slots=[])
+    realign = [(s, slots[s].num_accepted - 1) for s in state_indices if slots[s].num_accepted > 1]
+    scalars = dict(
+        num_tokens=R, num_spec_decodes=0, num_spec_tokens=0, spec_query_len=cache.num_spec_tokens + 1,
+        num_decodes=R, num_decode_tokens=R, num_prefills=0, num_prefill_tokens=0, has_checkpoints=False,
+        realign=realign, pad_to=None)
     return host, scalars
 
 

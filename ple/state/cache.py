@@ -262,6 +262,10 @@ class PLECache:
         self._not_in_flight("schedule")
         if not isinstance(items, (list, tuple)):
             raise TypeError(f"items: expected a list of Prefill/Decode/Spec, got {type(items).__name__}")
+        if pad_to is None:
+            decodes = self._plain_decodes(items)
+            if decodes is not None:
+                return build_plan(self, decodes, None)
         V = self.config.vocab_size
         S = self.state_len
         seen: set[int] = set()
@@ -307,6 +311,28 @@ class PLECache:
         if pad_to is not None:
             self._check_padding(parsed, pad_to)
         return build_plan(self, parsed, pad_to)
+
+    def _plain_decodes(self, items: list[Prefill | Decode | Spec] | tuple[Prefill | Decode | Spec, ...]
+                       ) -> list[tuple[Prefill | Decode | Spec, list[int]]] | None:
+        """The parsed items of the commonest step, a batch of ``Decode`` items with ``int`` tokens on distinct,
+        live, started slots and tokens in range, found in one short pass; None for anything else, which the
+        general loop of `schedule` then parses (and, where something is wrong, names)."""
+        V, slots, n = self.config.vocab_size, self._slots, self.num_slots
+        parsed: list[tuple[Prefill | Decode | Spec, list[int]]] = []
+        seen: set[int] = set()
+        for item in items:
+            if type(item) is not Decode:
+                return None
+            slot, token = item.slot, item.token
+            if (type(slot) is not int or type(token) is not int or not 0 < slot < n or slot == self.null_slot
+                    or slot in seen or not 0 <= token < V):
+                return None
+            s = slots[slot]
+            if not (s.active and s.started):
+                return None
+            seen.add(slot)
+            parsed.append((item, [token]))
+        return parsed or None
 
     def _check_padding(self, parsed: list[tuple[Prefill | Decode | Spec, list[int]]], pad_to: int) -> None:
         _checks.int_arg("pad_to", pad_to, minimum=1)

@@ -6,8 +6,8 @@ conv window carried from one block to the next, the score's sigmoid between two 
 rows of every packed sequence but the first recomputed without the sequence before. At the small widths of
 the kit one block holds every row, so none of that would be reached; here ``BLOCK_BYTES`` is shrunk so
 that a case of a few hundred rows spans several blocks, with sequences of every length (empty ones, ones
-shorter than S, ones crossing a block edge), ``keep`` masks and exact zeros in the inputs (signed zeros
-are compared too: ``torch.equal`` on the bits).
+shorter than S, ones crossing a block edge; now and then a single block), ``keep`` masks and exact zeros
+in the inputs (signed zeros are compared too: ``torch.equal`` on the bits).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ def blocked_cases(draw: st.DrawFn) -> dict:
     H = draw(st.sampled_from([1, 3, 4, 8]))
     M = draw(st.integers(1, 4))
     lens = draw(st.lists(st.sampled_from([0, 1, 2, 5, 9, 17, 63, 64, 65, 130]), min_size=1, max_size=8))
-    if sum(lens) <= 64:
-        lens.append(draw(st.integers(65 - sum(lens), 200)))       # at least two blocks
+    if sum(lens) <= 64 and draw(st.integers(0, 3)):              # mostly several blocks; sometimes one
+        lens.append(draw(st.integers(65 - sum(lens), 200)))
     return dict(H=H, C=H * M, lens=lens, K=draw(st.integers(1, 5)), dilation=draw(st.integers(1, 4)),
                 dtype=draw(st.sampled_from(DTYPES)), keep=draw(st.booleans()), zeros=draw(st.booleans()),
                 seed=draw(st.integers(0, 2**16)))
@@ -67,7 +67,6 @@ def make(case: dict) -> tuple[tuple, dict]:
 def test_blocked_prefill_is_the_reference_bit_for_bit(case):
     note(repr(case))
     args, kw = make(case)
-    assert vec_gate.block_rows(args[0].shape[0], case["C"]) < args[0].shape[0]    # several blocks
     with torch.no_grad():
         got, want = vec.ple_prefill(*args, **kw), ref.ple_prefill(*args, **kw)
     assert torch.equal(bits(got), bits(want))
