@@ -80,8 +80,12 @@ def _forward_blocked(key, value, hidden_states, norm_key_weight, norm_query_weig
     Only the output is a ``[T, C]`` buffer: each block's gated values and conv inputs live in scratch
     buffers of one block, which the next block reuses (so they stay in cache), and the conv reads a
     window of the S conv inputs before the block (kept from the block before, zeros at the start) and
-    the block's own. Rows less than S after the start of a packed sequence other than the first would
-    read the sequence before: their tap sums are recomputed with those terms zero (`_sequence_head_rows`).
+    the block's own. Where a packed sequence starts inside a block, the block's rows are summed in
+    segments, one per sequence, and before a sequence's segment the S window rows before its start
+    are zeroed (the rows after it never read them; the window carried to the next block then holds
+    zeros before the last start, which is what the rows after it must read). A block with more than
+    `MAX_SEGMENT_STARTS` starts is summed whole instead and the first S rows of each of its sequences
+    recomputed with a masked gather (`_sequence_head_rows`): fewer ops for many short sequences.
     """
     T, C = key.shape
     dt = key.dtype
@@ -97,11 +101,26 @@ def _forward_blocked(key, value, hidden_states, norm_key_weight, norm_query_weig
     conv_input = key.new_empty(min(n, T), C) if acc != dt else None      # rounded to dt, then widened
     mask = None if keep is None else (keep != 0).to(dt)[:, None]
     block = BlockGate(min(n, T), key, norm_key_weight, norm_query_weight, norm_conv_weight, eps, H)
-    heads = _sequence_head_rows(query_start_loc, S, T, n)
+    starts = _block_starts(query_start_loc, S, T, n)
+    heads = None
     lags = [(K - 1 - j) * dilation for j in range(K)]
     zero = key.new_zeros((), dtype=acc)
     taps = key.new_empty(min(n, T), C, dtype=acc)                        # the block's tap sums
     product = None if exact else key.new_empty(min(n, T), C, dtype=acc)
+
+    def tap_sums(r0: int, r1: int) -> None:
+        """Rows ``[r0, r1)`` of the block's tap sums into ``taps``. SPEC 8: from zero, in tap order. The first
+        term as 0 + x * w in one addcmul (even a fused one rounds x * w + 0 once, like the product then the
+        add, signed zeros included); then each tap's product is rounded before its add
+        (``training_conv.multiply_add_``, into a scratch product where products are not exact)."""
+        s = torch.addcmul(zero, window[r0 + S - lags[0]:r1 + S - lags[0]], wt[0], out=taps[r0:r1])
+        for j in range(1, K):
+            xs = window[r0 + S - lags[j]:r1 + S - lags[j]]
+            if product is None:
+                s.addcmul_(xs, wt[j])
+            else:
+                s.add_(torch.mul(xs, wt[j], out=product[r0:r1]))
+
     sums = key.new_empty(T, C // H)
     for a in range(0, T, n):
         block.score_sums(key[a:a + n], hidden_states[a:a + n], sums[a:a + n])
@@ -119,28 +138,50 @@ def _forward_blocked(key, value, hidden_states, norm_key_weight, norm_query_weig
             ci.mul_(mask[a:b])
         if conv_input is not None:
             x.copy_(ci)
-        # SPEC 8: from zero, in tap order. The first term as 0 + x * w in one addcmul (even a fused one
-        # rounds x * w + 0 once, like the product then the add, signed zeros included); then each tap's
-        # product is rounded before its add (``training_conv.multiply_add_``, into a scratch product
-        # where products are not exact).
-        s = torch.addcmul(zero, window[S - lags[0]:S - lags[0] + m], wt[0], out=taps[:m])
-        for j in range(1, K):
-            xs = window[S - lags[j]:S - lags[j] + m]
-            if product is None:
-                s.addcmul_(xs, wt[j])
-            else:
-                s.add_(torch.mul(xs, wt[j], out=product[:m]))
-        if a in heads:
+        here = starts.get(a, [])
+        if len(here) <= MAX_SEGMENT_STARTS:
+            edges = [0, *here, m]
+            for r0, r1 in zip(edges, edges[1:]):
+                if r0 in here:
+                    window[r0:r0 + S].zero_()                          # the S inputs before this start
+                if r1 > r0:
+                    tap_sums(r0, r1)
+        else:
+            tap_sums(0, m)
+            if heads is None:
+                heads = _sequence_head_rows(query_start_loc, S, T, n)
             rows, pos = heads[a]
-            fixed = s.new_zeros(rows.numel(), C)
+            fixed = taps.new_zeros(rows.numel(), C)
             for j, lag in enumerate(lags):                             # terms before the sequence's start: zero
                 valid = (pos >= lag)[:, None]
                 term = wt[j] * window.index_select(0, torch.where(pos >= lag, rows + S - lag, 0))
                 fixed = fixed + torch.where(valid, term, 0.0)
-            s.index_copy_(0, rows, fixed)
-        y = conv_activation(s, dt, inplace=True)
+            taps.index_copy_(0, rows, fixed)
+            last = here[-1]
+            window[last:last + S].zero_()                              # what the next block reads before it
+        y = conv_activation(taps[:m], dt, inplace=True)
         torch.add(g, y, out=y)
         torch.add(y, hidden_states[a:b], out=out[a:b])
+    return out
+
+
+MAX_SEGMENT_STARTS = 4
+"""Sequence starts in one block up to which `_forward_blocked` sums the block in segments (K + 1 ops per
+start); above, it sums the block whole and recomputes the sequences' first rows (about 4 K ops per block)."""
+
+
+def _block_starts(query_start_loc: torch.Tensor, S: int, T: int, n: int) -> dict[int, list[int]]:
+    """The starts of the packed sequences after the first inside each block of ``n`` rows, as offsets in the
+    block: ``{block start: [offsets, ascending]}`` (read on the host: `_forward_blocked` runs on the CPU)."""
+    if S == 0:
+        return {}
+    out: dict[int, list[int]] = {}
+    for c in query_start_loc.tolist()[1:-1]:
+        if 0 < c < T:
+            a = c // n * n
+            offsets = out.setdefault(a, [])
+            if not offsets or offsets[-1] != c - a:
+                offsets.append(c - a)
     return out
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _tier import examples
-from hypothesis import given, note, settings
+from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
 import ple.reference as ref
@@ -62,8 +62,18 @@ def make(case: dict) -> tuple[tuple, dict]:
     return args, dict(dilation=case["dilation"], query_start_loc=cu, keep=keep)
 
 
+def _case(lens, **kw):
+    return dict(dict(H=4, C=8, lens=lens, K=4, dilation=3, dtype=torch.float32, keep=False, zeros=False, seed=1), **kw)
+
+
 @given(case=blocked_cases())
 @settings(max_examples=examples(30), deadline=None)
+# A block of many starts (summed whole, heads recomputed) whose last sequence starts within S = 9 rows of the
+# block's end and runs on into the next block (which must read zeros before it), and the same with few starts
+# (summed in segments); bfloat16 for both.
+@example(case=_case([3, 3, 3, 3, 3, 43, 100]))
+@example(case=_case([20, 40, 100]))
+@example(case=_case([3, 3, 3, 3, 3, 43, 100], dtype=torch.bfloat16))
 def test_blocked_prefill_is_the_reference_bit_for_bit(case):
     note(repr(case))
     args, kw = make(case)
