@@ -17,6 +17,7 @@ any batch of up to ``N`` requests.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -209,7 +210,7 @@ def build_plan(cache: PLECache, parsed: list[tuple[Prefill | Decode | Spec, list
     sizes = [len(values[name]) for name in _FIELDS]
     flat = [v for name in _FIELDS for v in values[name]]
     dev = cache.device
-    staged = torch.tensor(flat, dtype=torch.int64)
+    staged = torch.frombuffer(array.array("q", flat), dtype=torch.int64)    # holds the array, shares its memory
     if dev.type == "cuda":
         staged = staged.pin_memory()
     generation, key = 0, None
@@ -223,11 +224,7 @@ def build_plan(cache: PLECache, parsed: list[tuple[Prefill | Decode | Spec, list
             buffer = cache._pad_buffers[key] = torch.empty(len(flat), dtype=torch.int64, device=dev)
         buffer.copy_(staged, non_blocking=True)
         generation = cache._pad_generations[key] = cache._pad_generations.get(key, 0) + 1
-    views: dict[str, Any] = {}           # the index tensors, by StepBatch field
-    at = 0
-    for name, n in zip(_FIELDS, sizes):
-        views[name] = buffer[at:at + n]
-        at += n
+    views: dict[str, Any] = dict(zip(_FIELDS, buffer.split(sizes)))   # the index tensors, by StepBatch field
     views["ngram_context"] = views["ngram_context"].view(len(host.ngram_context), cache.config.context_len)
     return StepBatch(**views, **scalars, host=host, items=[item for item, _ in parsed],
                      tokens_host=[list(t) for _, t in parsed], version=cache._version, owner=cache._identity,
