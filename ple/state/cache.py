@@ -250,6 +250,8 @@ class PLECache:
         1``, a decode or spec before any prefill, token ids outside ``[0, vocab_size)``, or a
         bad checkpoint request raise ``ValueError``/``TypeError`` and change nothing. The
         plan's metadata reaches the device in one copy, so ``layer.step`` reads nothing back.
+        A list of plain ``Decode`` items (``int`` slots and tokens), the commonest step, is
+        parsed and laid out by a shorter path with the same result (`_plain_decodes`).
 
         ``pad_to=N``: pad a decode-only batch, or a spec batch whose requests all have
         ``num_spec_tokens + 1`` tokens, to ``N`` requests with null-slot rows, in a metadata
