@@ -189,25 +189,28 @@ def dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: int,
 def _conv_compiled(x: torch.Tensor, weight: torch.Tensor, dilation: int, cu: torch.Tensor | None) -> torch.Tensor:
     """The conv as inductor fuses it best: one pointwise sum of K masked shifted products.
 
-    The input is zero-padded by a concatenation and the weights' columns stacked: both are buffers
-    inductor realises (a pad or a transposed view it would inline into every tap, recomputing the
-    whole gate that produced ``x`` K times and gathering the weights element by element: ~2x slower).
+    Each tap is a gather of ``x`` along time (index clamped at 0, masked where it would cross the start
+    of its sequence), which inductor fuses with whatever produced ``x``: in ``ple_prefill`` the conv
+    input is recomputed per tap from the gates, the value and the norm's sums (all realised, being
+    reductions or inputs) instead of being written to a ``[T, C]`` buffer and read back K times.
+    Measured at C = 2048, T = 2048 on this project's CPU: the fused gate-and-conv kernel 8.4-8.9 ms ->
+    6.1-6.6 ms in float32, the same in bfloat16, against a zero-padded concatenation of ``x``. The
+    weights' columns are stacked into a buffer inductor realises (a transposed view it would gather
+    element by element).
     """
     acc = acc_dtype(x.dtype)
     K = weight.shape[1]
-    S = (K - 1) * dilation
     time_dim = x.dim() - 2
     T = x.shape[time_dim]
     pos = torch.arange(T, device=x.device)
     if cu is not None and cu.numel() > 2:
         pos = pos - cu[torch.searchsorted(cu[1:], pos, right=True).clamp(max=cu.numel() - 2)]
-    pad = x.new_zeros(*x.shape[:time_dim], S, x.shape[-1])
-    xp = torch.cat([pad, x], time_dim)
+    t = torch.arange(T, device=x.device)
     wt = torch.stack(weight.to(acc).unbind(1))                           # [K, C]
     out = x.new_zeros(x.shape, dtype=acc)
     for j in range(K):
         lag = (K - 1 - j) * dilation
-        term = xp.narrow(time_dim, S - lag, T).to(acc) * wt[j]
+        term = (x.index_select(time_dim, (t - lag).clamp(min=0)) if lag else x).to(acc) * wt[j]
         out = out + (torch.where((pos >= lag)[:, None], term, 0.0) if lag else term)
     return F.silu(out.to(x.dtype).to(acc)).to(x.dtype)
 
