@@ -70,10 +70,11 @@ def _case(lens, **kw):
 @settings(max_examples=examples(30), deadline=None)
 # A block of many starts (summed whole, heads recomputed) whose last sequence starts within S = 9 rows of the
 # block's end and runs on into the next block (which must read zeros before it), and the same with few starts
-# (summed in segments); bfloat16 for both.
+# (summed in segments); bfloat16 for both; a history longer than the least block.
 @example(case=_case([3, 3, 3, 3, 3, 43, 100]))
 @example(case=_case([20, 40, 100]))
 @example(case=_case([3, 3, 3, 3, 3, 43, 100], dtype=torch.bfloat16))
+@example(case=_case([100, 30, 170], K=3, dilation=40))          # S = 80: blocks of 128 rows, history > 64 rows
 def test_blocked_prefill_is_the_reference_bit_for_bit(case):
     note(repr(case))
     args, kw = make(case)
