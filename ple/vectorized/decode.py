@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from ..reference.gate import acc_dtype
 from .rows import bits, copy_rows_, state_rows
-from .training_conv import LOW_PRECISION, conv_activation, exact_products, multiply_add_
+from .training_conv import LOW_PRECISION, conv_activation, multiply_add_
 
 __all__ = ["decode_conv"]
 
@@ -104,9 +104,8 @@ def _decode(inputs, residual, state, W, conv_weights, state_indices, dilation, h
     acc = acc_dtype(dt)
     wt = torch.empty(K, C, dtype=acc, device=dev).copy_(conv_weights.t())      # [K, C], tap j: wt[j]
     u = inputs.new_zeros(R, C, dtype=acc)
-    exact = exact_products(dt, conv_weights.dtype)
     for j in range(K):                                                          # tap j: block j * d
-        multiply_add_(u, blocks[j * dilation].to(acc), wt[j], exact)            # small casts: no fresh pages
+        multiply_add_(u, blocks[j * dilation].to(acc), wt[j])                   # small casts: no fresh pages
     y = conv_activation(u, dt, inplace=True)
     _residual_(residual, rows, live, y, outer_residual)
     copy_rows_(state, (first + b[:S, None]).flatten(), table[R:])
@@ -168,7 +167,6 @@ def _decode_general(inputs, residual, conv_state, conv_weights, state_indices, d
     x = inputs.index_select(0, rows)                                            # [R, C]
     wt = conv_weights.to(acc).t().contiguous()                                  # [K, C], tap j: wt[j]
     u = x.new_zeros(R, C, dtype=acc)
-    exact = exact_products(dt, conv_weights.dtype)
     sv = conv_state.transpose(1, 2)[:, :S]                                      # [num_slots, S, C]
     z = null_slot if 0 <= null_slot < num_slots else 0
     if S > 0 and num_slots > 0 and R > 0:
@@ -179,8 +177,8 @@ def _decode_general(inputs, residual, conv_state, conv_weights, state_indices, d
             old = torch.where((live & (has_initial_states != 0))[:, None, None], old, old.new_zeros(()))
         taps = old[:, ::dilation].to(acc)                                       # [R, K-1, C]: rows j * d
         for j in range(K - 1):
-            multiply_add_(u, taps[:, j], wt[j], exact)
-    multiply_add_(u, x.to(acc), wt[K - 1], exact)
+            multiply_add_(u, taps[:, j], wt[j])
+    multiply_add_(u, x.to(acc), wt[K - 1])
     y = conv_activation(u, dt, inplace=True)
     res = residual.index_select(0, rows)
     new_res = torch.where(live[:, None], res + y, res)

@@ -23,7 +23,7 @@ from ..backends import twin
 from ..reference.gate import acc_dtype
 from .conv import ple_conv
 from .gate import BlockGate, block_rows, gate, records_grad
-from .training_conv import _conv, conv_activation, exact_products
+from .training_conv import _conv, conv_activation
 
 __all__ = ["ple_prefill"]
 
@@ -93,7 +93,6 @@ def _forward_blocked(key, value, hidden_states, norm_key_weight, norm_query_weig
     K = conv_weights.shape[1]
     S = (K - 1) * dilation
     wt = conv_weights.to(acc).t().contiguous()                         # [K, C]
-    exact = exact_products(dt, conv_weights.dtype)
     n = max(block_rows(T, C), -(-S // 64) * 64)                          # a block holds the next one's history
     out = key.new_empty(T, C)
     gated = key.new_empty(min(n, T), C)
@@ -104,22 +103,15 @@ def _forward_blocked(key, value, hidden_states, norm_key_weight, norm_query_weig
     starts = _block_starts(query_start_loc, S, T, n)
     heads = None
     lags = [(K - 1 - j) * dilation for j in range(K)]
-    zero = key.new_zeros((), dtype=acc)
     taps = key.new_empty(min(n, T), C, dtype=acc)                        # the block's tap sums
-    product = None if exact else key.new_empty(min(n, T), C, dtype=acc)
+    product = key.new_empty(min(n, T), C, dtype=acc)
 
     def tap_sums(r0: int, r1: int) -> None:
-        """Rows ``[r0, r1)`` of the block's tap sums into ``taps``. SPEC 8: from zero, in tap order. The first
-        term as 0 + x * w in one addcmul (even a fused one rounds x * w + 0 once, like the product then the
-        add, signed zeros included); then each tap's product is rounded before its add
-        (``training_conv.multiply_add_``, into a scratch product where products are not exact)."""
-        s = torch.addcmul(zero, window[r0 + S - lags[0]:r1 + S - lags[0]], wt[0], out=taps[r0:r1])
-        for j in range(1, K):
-            xs = window[r0 + S - lags[j]:r1 + S - lags[j]]
-            if product is None:
-                s.addcmul_(xs, wt[j])
-            else:
-                s.add_(torch.mul(xs, wt[j], out=product[r0:r1]))
+        """Rows ``[r0, r1)`` of the block's tap sums into ``taps``. SPEC 8: from zero, in tap order, each tap's
+        product rounded before its add (``training_conv.multiply_add_``; here into a scratch product)."""
+        s = taps[r0:r1].zero_()
+        for j in range(K):
+            s.add_(torch.mul(window[r0 + S - lags[j]:r1 + S - lags[j]], wt[j], out=product[r0:r1]))
 
     sums = key.new_empty(T, C // H)
     for a in range(0, T, n):
@@ -153,9 +145,9 @@ def _forward_blocked(key, value, hidden_states, norm_key_weight, norm_query_weig
             rows, pos = heads[a]
             fixed = taps.new_zeros(rows.numel(), C)
             for j, lag in enumerate(lags):                             # terms before the sequence's start: zero
-                valid = (pos >= lag)[:, None]
-                term = wt[j] * window.index_select(0, torch.where(pos >= lag, rows + S - lag, 0))
-                fixed = fixed + torch.where(valid, term, 0.0)
+                valid = pos >= lag                                     # else the reference's w * 0
+                xs = window.index_select(0, torch.where(valid, rows + S - lag, 0))
+                fixed = fixed + wt[j] * torch.where(valid[:, None], xs, 0.0)
             taps.index_copy_(0, rows, fixed)
             last = here[-1]
             window[last:last + S].zero_()                              # what the next block reads before it

@@ -12,9 +12,11 @@ each tap is one multiply-add of a shifted *slice* of the whole input into a zero
 of the input, which is what adding the reference's zero term does. In a packed batch the rows
 near the start of every later sequence would read the sequence before; those rows, at most S
 per sequence boundary, are recomputed with the reference's masked gather and written over the
-whole-input result. So the sum is the reference's bit for bit in every dtype (in bfloat16, where
-every product is exact in float32, each tap is one ``addcmul_``; in float32 / float64, whose
-``addcmul`` may fuse the multiply-add and round once, a product and an add).
+whole-input result. So the sum is the reference's bit for bit in every dtype: each tap is a product
+then an add (``addcmul`` fuses them on this CPU and rounds once, which differs in float32 and, where a
+product underflows to a subnormal or a signed zero, in bfloat16 too), and a masked term multiplies the
+weight by a zeroed input, as the reference's zero history does (so a non-finite weight gives what it
+gives there, and a non-finite input of another sequence never leaks in).
 
 Autograd: the tap sum is one ``autograd.Function`` whose backward is the same slice arithmetic
 (the input's gradient is the transposed tap sum, with the rows near the *end* of every sequence
@@ -60,25 +62,17 @@ def _sequence_tails(cu: torch.Tensor, S: int):
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def exact_products(*dtypes: torch.dtype) -> bool:
-    """Whether products of values of these dtypes are exact in float32 (bfloat16 / float16: at most 2 x 11
-    significant bits), so that a fused multiply-add rounds like a multiply then an add."""
-    return all(d in LOW_PRECISION for d in dtypes)
+def multiply_add_(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``out += a * w`` with the product rounded first (the reference's ``out + w * a``): a product and an
+    add. Not ``addcmul_``: it may fuse them and round once, which differs in float32 and, for products that
+    underflow (a subnormal, or a zero whose sign the add would change), in bfloat16 as well."""
+    return out.add_(a * w)
 
 
-def multiply_add_(out: torch.Tensor, a: torch.Tensor, w: torch.Tensor, exact: bool) -> torch.Tensor:
-    """``out += a * w`` with the product rounded first (the reference's ``out + w * a``): one ``addcmul_`` where
-    the product is exact (`exact_products`), else a product and an add (``addcmul`` may fuse them, rounding
-    once)."""
-    return out.addcmul_(a, w) if exact else out.add_(a * w)
-
-
-def tap_sum(xf: torch.Tensor, wt: torch.Tensor, dilation: int, cu: torch.Tensor | None = None, *,
-            exact: bool = False) -> torch.Tensor:
+def tap_sum(xf: torch.Tensor, wt: torch.Tensor, dilation: int, cu: torch.Tensor | None = None) -> torch.Tensor:
     """``out[t] = 0 + sum_j wt[j] * xf[t - lag_j]`` over the time dim (-2) of ``xf`` (``[..., T, C]``, the
     accumulation dtype), terms before the start of the row's sequence skipped; ``wt`` is ``[K, C]``;
-    ``cu`` (int64, packed ``[T, C]`` only) cuts the rows into sequences (None: one). ``exact``: see
-    `multiply_add_`."""
+    ``cu`` (int64, packed ``[T, C]`` only) cuts the rows into sequences (None: one)."""
     K = wt.shape[0]
     T = xf.shape[-2]
     lags = _lags(K, dilation)
@@ -88,7 +82,7 @@ def tap_sum(xf: torch.Tensor, wt: torch.Tensor, dilation: int, cu: torch.Tensor 
     out = xf.new_zeros(shape)
     for j, lag in enumerate(lags):
         if lag < T:
-            multiply_add_(out[..., lag:T, :], xf[..., :T - lag, :], wt[j], exact)
+            multiply_add_(out[..., lag:T, :], xf[..., :T - lag, :], wt[j])
     if not fix:
         return out
     assert cu is not None
@@ -98,7 +92,7 @@ def tap_sum(xf: torch.Tensor, wt: torch.Tensor, dilation: int, cu: torch.Tensor 
     for j, lag in enumerate(lags):                                     # the reference's masked terms
         valid = (p >= lag) & inside
         src = torch.where(valid, rows - lag, 0).flatten()
-        acc = acc + wt[j] * xf.index_select(0, src) * valid.flatten()[:, None].to(xf.dtype)
+        acc = acc + wt[j] * torch.where(valid.flatten()[:, None], xf.index_select(0, src), 0.0)
     return out.index_copy_(0, torch.where(inside, rows, T).flatten(), acc)[:T]
 
 
@@ -125,7 +119,7 @@ def _tap_sum_transposed(g: torch.Tensor, wt: torch.Tensor, dilation: int, cu: to
     for j, lag in enumerate(lags):
         valid = (rows + lag < ends) & inside
         src = torch.where(valid, rows + lag, 0).flatten()
-        acc = acc + wt[j] * g.index_select(0, src) * valid.flatten()[:, None].to(g.dtype)
+        acc = acc + wt[j] * torch.where(valid.flatten()[:, None], g.index_select(0, src), 0.0)
     return gx.index_copy_(0, torch.where(inside, rows, T).flatten(), acc)[:T]
 
 
@@ -158,10 +152,10 @@ class _TapSum(torch.autograd.Function):
     """`tap_sum` with its backward written out (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, xf, wt, dilation, cu, exact):
+    def forward(ctx, xf, wt, dilation, cu):
         ctx.save_for_backward(xf, wt, cu)
         ctx.dilation = dilation
-        return tap_sum(xf, wt, dilation, cu, exact=exact)
+        return tap_sum(xf, wt, dilation, cu)
 
     @staticmethod
     def backward(ctx, g):
@@ -169,7 +163,7 @@ class _TapSum(torch.autograd.Function):
         g = g.contiguous()
         gx = _tap_sum_transposed(g, wt, ctx.dilation, cu) if ctx.needs_input_grad[0] else None
         gw = _tap_weight_grad(g, xf, ctx.dilation, cu, wt.shape[0]) if ctx.needs_input_grad[1] else None
-        return gx, gw, None, None, None
+        return gx, gw, None, None
 
 
 def conv_activation(out: torch.Tensor, dtype: torch.dtype, inplace: bool) -> torch.Tensor:
@@ -210,8 +204,8 @@ def _conv_compiled(x: torch.Tensor, weight: torch.Tensor, dilation: int, cu: tor
     out = x.new_zeros(x.shape, dtype=acc)
     for j in range(K):
         lag = (K - 1 - j) * dilation
-        term = (x.index_select(time_dim, (t - lag).clamp(min=0)) if lag else x).to(acc) * wt[j]
-        out = out + (torch.where((pos >= lag)[:, None], term, 0.0) if lag else term)
+        xs = torch.where((pos >= lag)[:, None], x.index_select(time_dim, (t - lag).clamp(min=0)), 0.0) if lag else x
+        out = out + xs.to(acc) * wt[j]                                   # a masked term: w * 0, as the reference
     return F.silu(out.to(x.dtype).to(acc)).to(x.dtype)
 
 
@@ -223,7 +217,6 @@ def _conv(x: torch.Tensor, weight: torch.Tensor, dilation: int, cu_seqlens: torc
     xf = x.to(acc)
     wt = weight.to(acc).t().contiguous()                             # [K, C]: each tap's weights contiguous
     cu = cu_seqlens.to(torch.int64) if x.dim() == 2 and cu_seqlens is not None else None
-    exact = exact_products(x.dtype, weight.dtype)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return conv_activation(_TapSum.apply(xf, wt, dilation, cu, exact), x.dtype, inplace=False)
-    return conv_activation(tap_sum(xf, wt, dilation, cu, exact=exact), x.dtype, inplace=True)
+        return conv_activation(_TapSum.apply(xf, wt, dilation, cu), x.dtype, inplace=False)
+    return conv_activation(tap_sum(xf, wt, dilation, cu), x.dtype, inplace=True)

@@ -92,3 +92,46 @@ def test_blocked_gate_is_the_reference_bit_for_bit(case):
         got, want = vec.ple_gate(*args[:7]), ref.ple_gate(*args[:7])
     for a, b in zip(got, want):
         assert torch.equal(bits(a), bits(b))
+
+
+# ---- corners found in review: products that underflow, non-finite values ---------------------------------
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_product_that_underflows_rounds_as_the_reference(dtype):
+    """A tap product below the float32 (float64) range is a negative zero: ``0 + p`` is +0 in the reference,
+    where a fused multiply-add would keep -0 (it reached the output through zero gated values and hidden
+    states); blocked prefill and the unblocked conv both."""
+    tiny, small = (1e-200, -1e-150) if dtype == torch.float64 else (1e-30, -1e-20)
+    key, hidden = torch.ones(2, 1, dtype=dtype), torch.tensor([[1.0], [-0.0]], dtype=dtype)
+    value, zero = torch.tensor([[tiny], [-0.0]], dtype=dtype), torch.zeros(1, dtype=dtype)
+    w = torch.tensor([[small, 1.0]], dtype=dtype)
+    kw = dict(dilation=1, query_start_loc=torch.tensor([0, 2]))
+    with torch.no_grad():
+        got, want = (f(key, value, hidden, zero, zero, zero, 1e-6, w, **kw) for f in (vec.ple_prefill, ref.ple_prefill))
+        assert torch.equal(bits(got), bits(want))
+        x = torch.tensor([[tiny], [-0.0]], dtype=dtype)
+        assert torch.equal(bits(vec.dilated_causal_conv(x, w, dilation=1)), bits(ref.dilated_causal_conv(x, w, dilation=1)))
+
+
+@pytest.mark.parametrize("lens", [[3, 3, 3, 3, 3, 3, 10], [3, 3, 20]])         # many starts in a block; a few
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_non_finite_values_give_the_reference_bits(lens, bad):
+    """A non-finite conv weight multiplies the zero history as in the reference (inf * 0 is NaN there too),
+    and a non-finite conv input of one sequence does not leak into the next (the packed unblocked conv's
+    masked terms zero the input, not the product)."""
+    g = torch.Generator().manual_seed(0)
+    T, C = sum(lens), 2
+    key, hidden, value = torch.randn(T, C, generator=g), torch.randn(T, C, generator=g), torch.randn(T, 1, generator=g)
+    z = torch.zeros(C)
+    w = torch.randn(C, 3, generator=g)
+    w[0, 0] = bad
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    with torch.no_grad():
+        got, want = (f(key, value, hidden, z, z, z, 1e-6, w, dilation=1, query_start_loc=cu)
+                     for f in (vec.ple_prefill, ref.ple_prefill))
+        assert torch.equal(bits(got), bits(want))
+        x = torch.randn(T, C, generator=g)
+        x[0, 0] = bad                                                   # in the first sequence only
+        w = torch.randn(C, 3, generator=g)
+        got, want = (f(x, w, dilation=1, cu_seqlens=cu) for f in (vec.dilated_causal_conv, ref.dilated_causal_conv))
+        assert torch.equal(bits(got), bits(want))
