@@ -133,7 +133,8 @@ faster at 64)."""
 
 
 def _gate_block(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps, H):
-    """The gate of rows not taken in blocks (autograd records, or one block's worth of rows)."""
+    """The gate of rows not taken in blocks: autograd records, ``torch.compile`` traces, or `SMALL_ROWS` rows
+    at most."""
     T, C = key.shape
     g = scores_and_gates(key, hidden_states, norm_key_weight, norm_query_weight, H, eps)[1]
     gated = (g[:, :, None] * value[:, None, :]).view(T, C)

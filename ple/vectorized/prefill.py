@@ -23,7 +23,7 @@ from ..backends import twin
 from ..reference.gate import acc_dtype
 from .conv import ple_conv
 from .gate import BlockGate, block_rows, gate, records_grad
-from .training_conv import _conv, conv_activation
+from .training_conv import _conv, _sequence_heads, conv_activation
 
 __all__ = ["ple_prefill"]
 
@@ -158,8 +158,8 @@ def _forward_blocked(key, value, hidden_states, norm_key_weight, norm_query_weig
 
 
 MAX_SEGMENT_STARTS = 4
-"""Sequence starts in one block up to which `_forward_blocked` sums the block in segments (K + 1 ops per
-start); above, it sums the block whole and recomputes the sequences' first rows (about 4 K ops per block)."""
+"""Sequence starts in one block up to which `_forward_blocked` sums the block in segments (2 K + 1 ops per
+start); above, it sums the block whole and recomputes the sequences' first rows (about 5 K ops per block)."""
 
 
 def _block_starts(query_start_loc: torch.Tensor, S: int, T: int, n: int) -> dict[int, list[int]]:
@@ -185,10 +185,8 @@ def _sequence_head_rows(query_start_loc: torch.Tensor, S: int, T: int, n: int) -
     cu = query_start_loc.to(torch.int64)
     if cu.numel() <= 2 or S == 0 or T == 0:
         return {}
-    p = torch.arange(S)
-    rows = cu[1:-1, None] + p
-    inside = rows < cu[2:, None]
-    rows, pos = rows[inside], p.expand_as(inside)[inside]             # in row order
+    rows, inside = _sequence_heads(cu, S, T)
+    rows, pos = rows[inside], torch.arange(S).expand_as(inside)[inside]      # in row order
     counts = torch.bincount(rows // n, minlength=-(-T // n)).tolist()
     out, i = {}, 0
     for blk, c in enumerate(counts):
