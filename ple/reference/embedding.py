@@ -1,8 +1,11 @@
-"""The n-gram embedding lookup (SPEC section 3): gather each token's NH table rows and concatenate them.
+"""The n-gram embedding lookup: gather each token's NH table rows and concatenate them.
+
+Specified in ``docs/spec.md`` (``../../docs/spec.md`` from this file), sections 3 (the embedding of a
+token), 7.4 (``embedding_lookup``) and 7.5 (``ngram_embedding``).
 
 ``embedding_lookup`` gathers rows by id; ``ngram_embedding`` is the composition
-``ngram_ids -> embedding_lookup``; ``embedding_lookup_sparse_grad`` wraps any backend's lookup
-so that the table's gradient is sparse.
+``ngram_ids -> embedding_lookup`` (its call checked once, then the two ops' bodies);
+``embedding_lookup_sparse_grad`` wraps any backend's lookup so that the table's gradient is sparse.
 """
 
 from __future__ import annotations
@@ -14,21 +17,39 @@ import torch
 import torch.nn.functional as F
 
 from .. import _checks
-from .hashing import HashParams, ngram_ids
+from .hashing import HashParams, _ngram_ids
 
 __all__ = ["embedding_lookup", "ngram_embedding", "embedding_lookup_sparse_grad"]
 
 
 def embedding_lookup(weight: torch.Tensor, ids: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
-    """``weight[ids]`` flattened per token: ``[rows, D]`` and ``[T, NH]`` give ``[T, NH * D]``.
+    """``weight[ids]`` flattened per token (docs/spec.md section 7.4): head h's row in columns ``[h * D, (h + 1) * D)``.
 
-    Head h's row occupies columns ``[h * D, (h + 1) * D)``. Autograd reaches ``weight``.
+    Args:
+        weight: the table, ``[rows, D]``, any dtype. Autograd reaches it.
+        ids: int32 or int64 ``[T, NH]``, table rows (``ngram_ids``), on ``weight``'s device.
+        validate: False skips the value check (the range of ``ids``; the metadata checks still run),
+            for callers that validated on the host; out-of-range values are then undefined behaviour.
 
-    ``validate=False`` skips the value checks (the range of ``ids``); for callers that
-    validated on the host, e.g. ``PLECache.schedule``; out-of-range values are
-    then undefined behaviour.
+    Returns:
+        ``[T, NH * D]`` in ``weight``'s dtype: a copy of the rows (no rounding).
+
+    Raises:
+        TypeError: ``weight`` is not a tensor; ``ids`` is not an int32 / int64 tensor.
+        ValueError: ``weight`` is not 2-D; ``ids`` is not 2-D, is on another device than ``weight``
+            (or on the meta device), or holds a row outside ``[0, rows)``.
+
+    Example::
+
+        >>> embedding_lookup(torch.arange(12.0).reshape(6, 2), torch.tensor([[5, 0]]))
+        tensor([[10., 11.,  0.,  1.]])
     """
     (_checks.lookup_call if validate else _checks.lookup_meta)(weight, ids)
+    return _embedding_lookup(weight, ids)
+
+
+def _embedding_lookup(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The body of `embedding_lookup`, for a call already checked."""
     (T, NH), D = ids.shape, weight.shape[1]
     return F.embedding(ids.long(), weight).reshape(T, NH * D)
 
@@ -36,24 +57,44 @@ def embedding_lookup(weight: torch.Tensor, ids: torch.Tensor, *, validate: bool 
 def ngram_embedding(weight: torch.Tensor, input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: int,
                     eos_token_id: int, query_start_loc: torch.Tensor | None = None,
                     ngram_context: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
-    """Each token's n-gram embedding, ``[T, NH * D]``: ``embedding_lookup(weight, ngram_ids(input_ids, params, ...))``.
+    """Each token's n-gram embedding: ``embedding_lookup(weight, ngram_ids(input_ids, params, ...))``
+    (docs/spec.md section 7.5).
 
-    Arguments as in ``ngram_ids``; ``weight`` is the table ``[rows, D]`` and must hold every row
-    the hash addresses (``head_offsets[-1] + head_sizes[-1]`` rows, else ``ValueError``). Token t's
-    head h is its row ``ngram_ids(...)[t, h]`` of the table, in columns ``[h * D, (h + 1) * D)``.
-    Autograd reaches ``weight``. A backend may fuse the two (``ple.fast`` hashes and gathers in
-    one kernel, never writing the ids to memory); the result is this one, bit for bit (a gather
-    is a copy).
+    Token t's head h is its row ``ngram_ids(...)[t, h]`` of the table, in columns ``[h * D, (h + 1) * D)``.
+    A backend may fuse the two (``ple.fast`` hashes and gathers in one kernel, never writing the
+    ids to memory); the result is this one, bit for bit (a gather is a copy).
 
-    ``validate=False`` skips the value checks (token id ranges, offsets, the table's row count);
-    out-of-range values are then undefined behaviour.
+    Args:
+        weight: the table, ``[rows, D]``, on ``input_ids``' device; it must hold every row the hash
+            addresses: ``rows >= head_offsets[-1] + head_sizes[-1]``. Autograd reaches it.
+        input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context: as in
+            ``ngram_ids``.
+        validate: False skips the value checks (token id ranges, offsets, the multipliers' range, the
+            table's row count; the metadata checks still run); out-of-range values are then undefined
+            behaviour.
+
+    Returns:
+        ``[T, NH * D]`` in ``weight``'s dtype.
+
+    Raises:
+        TypeError, ValueError: every error of ``ngram_ids``, for the same arguments.
+        TypeError: ``weight`` is not a tensor.
+        ValueError: ``weight`` is not 2-D, is on another device than ``input_ids``, or has fewer rows than
+            the hash addresses (``head_offsets[-1] + head_sizes[-1]``).
+
+    Example::
+
+        >>> params = hash_params(PLEConfig.preset("tiny"), 0)                      # 6128 rows, NH = 6
+        >>> ngram_embedding(torch.randn(6128, 4), torch.tensor([5, 7]), params, heads_per_ngram=3,
+        ...                 eos_token_id=2).shape
+        torch.Size([2, 24])
     """
     (_checks.ngram_call if validate else _checks.ngram_meta)(input_ids, params, heads_per_ngram, eos_token_id,
                                                              query_start_loc, ngram_context, weight=weight)
-    # The composition; the check above covers both (with weight=, that the table holds every hashed row).
-    ids = ngram_ids(input_ids, params, heads_per_ngram=heads_per_ngram, eos_token_id=eos_token_id,
-                    query_start_loc=query_start_loc, ngram_context=ngram_context, validate=False)
-    return embedding_lookup(weight, ids, validate=False)
+    # The composition, checked once above (with weight=: also that the table holds every hashed row), so the
+    # two ops' bodies run unchecked.
+    ids = _ngram_ids(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
+    return _embedding_lookup(weight, ids)
 
 
 class _SparseGradLookup(torch.autograd.Function):

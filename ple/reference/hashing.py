@@ -1,12 +1,16 @@
-"""Hash parameters and n-gram ids (SPEC sections 2 and 3), in plain Python and PyTorch.
+"""Hash parameters and n-gram ids, in plain Python and PyTorch.
+
+Specified in ``docs/spec.md`` (``../../docs/spec.md`` from this file), sections 2 (hash parameters) and 3
+(n-gram ids).
 
 A token's n-gram of order n is its window of the last n tokens; the window is
 hashed by XOR-ing ``token * multiplier`` products and taken modulo one prime per
 hash head. The multipliers are odd and small enough that ``token * m < 2**63`` for
-every token id below ``vocab_size``, so the products never overflow int64.
+every token id below ``vocab_size``, so the products never overflow int64 (a hand-made
+`HashParams` whose multipliers could overflow is refused by the op's check, naming ``params``).
 
 ``ngram_ids`` is written as the specification: a loop over the requests (``query_start_loc``
-read on the host), each hashed from its context and tokens as SPEC section 3 says; not
+read on the host), each hashed from its context and tokens as docs/spec.md section 3 says; not
 sync-free (``ple.vectorized`` computes the same ids on the device for the whole batch).
 """
 
@@ -73,14 +77,41 @@ def primes_from(start: int, count: int) -> tuple[int, ...]:
 
 
 def layer_multipliers(vocab_size: int, ngram_size: int, seed: int, ple_layer_index: int) -> list[int]:
-    """SPEC section 2: odd multipliers with ``token * m < 2**63`` for tokens below ``vocab_size``."""
+    """The N multipliers of a layer (docs/spec.md section 2): odd, with ``token * m < 2**63`` for tokens below
+    ``vocab_size``.
+
+    ``half = max(1, ((2**63 - 1) // max(V, 1)) // 2)``, ``base = seed + 10007 * ple_layer_index`` and
+    ``m[i] = 2 * (splitmix64(base + 0x9E3779B97F4A7C15 * (i + 1)) % half) + 1`` (unsigned 64-bit arithmetic).
+    """
     half = max(1, ((2**63 - 1) // max(vocab_size, 1)) // 2)
     base = seed + _LAYER_STRIDE * ple_layer_index
     return [2 * (splitmix64((base + _GOLDEN * (i + 1)) & _MASK64) % half) + 1 for i in range(ngram_size)]
 
 
 def hash_params(config: PLEConfig, ple_layer_index: int) -> HashParams:
-    """Multipliers, head table sizes and offsets of PLE layer ``ple_layer_index`` (0-based PLE index)."""
+    """Multipliers, head table sizes and offsets of PLE layer ``ple_layer_index`` (docs/spec.md section 2).
+
+    Args:
+        config: the model's `PLEConfig` (V, N, P, seed, ``ngram_vocab_size_base``,
+            ``make_ngram_vocab_size_divisible_by``).
+        ple_layer_index: the 0-based PLE index L (the layer's position in ``config.ple_layer_ids``).
+
+    Returns:
+        `HashParams`: ``multipliers`` int64 ``[N]`` (`layer_multipliers`); ``head_sizes`` int64 ``[NH]``, the
+        NH consecutive primes ``>= ngram_vocab_size_base`` after the first ``L * NH`` of them;
+        ``head_offsets`` int64 ``[NH]``, their running sum from 0; ``num_rows``, ``sum(head_sizes)`` rounded
+        up to a multiple of ``make_ngram_vocab_size_divisible_by``; ``vocab_size`` V. The tensors are on torch's
+        default device (the CPU unless changed).
+
+    Raises:
+        TypeError: ``config`` is not a `PLEConfig`; ``ple_layer_index`` is not an int.
+        ValueError: ``ple_layer_index`` is negative.
+
+    Example::
+
+        >>> hash_params(PLEConfig.preset("qwen4exp"), 0).multipliers.tolist()
+        [23703573157769, 20109073645365, 8052911324071]
+    """
     if not isinstance(config, PLEConfig):
         raise TypeError(f"config: expected a PLEConfig, got {type(config).__name__}")
     _checks.int_arg("ple_layer_index", ple_layer_index, minimum=0)
@@ -103,29 +134,30 @@ def hash_params(config: PLEConfig, ple_layer_index: int) -> HashParams:
     )
 
 
-def _requests(input_ids: torch.Tensor, N: int, eos_token_id: int, query_start_loc: torch.Tensor | None,
-              ngram_context: torch.Tensor | None) -> list[torch.Tensor]:
+def _request_token_lists(input_ids: torch.Tensor, N: int, eos_token_id: int, query_start_loc: torch.Tensor | None,
+                         ngram_context: torch.Tensor | None) -> list[torch.Tensor]:
     """Per request, ``ctx ++ x`` as int64 ``[N - 1 + q]``: its N-1 context tokens (oldest first; all EOS
-    without ``ngram_context``), then its q tokens (SPEC section 3). Reads ``query_start_loc`` on the host."""
+    without ``ngram_context``), then its q tokens (docs/spec.md section 3). Reads ``query_start_loc`` on the
+    host."""
     ids = input_ids.to(torch.int64)
-    starts = [0, ids.numel()] if query_start_loc is None else query_start_loc.tolist()
-    R = len(starts) - 1
+    query_start_loc_list = [0, ids.numel()] if query_start_loc is None else query_start_loc.tolist()
+    R = len(query_start_loc_list) - 1
     if ngram_context is None:
         ctx = torch.full((R, N - 1), eos_token_id, dtype=torch.int64, device=ids.device)
     else:
         ctx = ngram_context.to(torch.int64)
-    return [torch.cat([ctx[r], ids[starts[r]:starts[r + 1]]]) for r in range(R)]
+    return [torch.cat([ctx[r], ids[query_start_loc_list[r]:query_start_loc_list[r + 1]]]) for r in range(R)]
 
 
 def _windows(seq: torch.Tensor, N: int, eos_token_id: int) -> torch.Tensor:
     """The window of every token of one request, ``[q, N]``: column k the token k positions back
-    (column 0 the token itself), after the EOS rule. ``seq`` is ``ctx ++ x`` (`_requests`)."""
+    (column 0 the token itself), after the EOS rule. ``seq`` is ``ctx ++ x`` (`_request_token_lists`)."""
     q = seq.numel() - (N - 1)
     window = [seq[N - 1:]]                                      # w[0]: the token itself
     seen_eos = torch.zeros(q, dtype=torch.bool, device=seq.device)
     for k in range(1, N):
         back = seq[N - 1 - k : N - 1 - k + q]                   # the token k positions back (maybe in ctx)
-        # SPEC 3, EOS rule: once a step back has reached an EOS, every older entry is EOS (the EOS itself
+        # docs/spec.md 3, the EOS rule: once a step back has reached an EOS, every older entry is EOS (the EOS itself
         # is kept, so an EOS token still sees its own history).
         window.append(torch.where(seen_eos, eos_token_id, back))
         seen_eos = seen_eos | (back == eos_token_id)
@@ -143,7 +175,7 @@ def ngram_windows(input_ids: torch.Tensor, *, ngram_size: int, eos_token_id: int
     """
     N = ngram_size
     windows = [_windows(seq, N, eos_token_id)
-               for seq in _requests(input_ids, N, eos_token_id, query_start_loc, ngram_context)]
+               for seq in _request_token_lists(input_ids, N, eos_token_id, query_start_loc, ngram_context)]
     return torch.cat(windows) if windows else torch.zeros(0, N, dtype=torch.int64, device=input_ids.device)
 
 
@@ -171,34 +203,69 @@ def ngrams_of_rows(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngr
 def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: int, eos_token_id: int,
               query_start_loc: torch.Tensor | None = None,
               ngram_context: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
-    """Table rows of every token's NH hash heads: ``[T, NH]`` int64 (SPEC section 3).
-
-    ``input_ids`` is ``[T]``: the tokens of R requests laid end to end, cut by
-    ``query_start_loc`` (``[R+1]``; default: one request). ``ngram_context``
-    (``[R, N-1]``, oldest first; default: all EOS, i.e. every request starts its
-    sequence) holds the tokens before each request's first token, so a chunk's ids
-    equal those of the same tokens hashed within the whole sequence.
+    """Table rows of every token's NH hash heads (docs/spec.md sections 3 and 7.3).
 
     A token's window ``w[0..N-1]`` is the token itself, then the tokens 1..N-1 positions back
     (through the context), except that past an EOS every older entry is EOS (the EOS itself
     is kept). For order n in 2..N, ``mix_n = (w[0]*m[0]) ^ ... ^ (w[n-1]*m[n-1])`` with
-    ``m = params.multipliers``, and head ``h = (n-2) * heads_per_ngram + j`` takes row
-    ``mix_n % head_sizes[h] + head_offsets[h]``. Token ids outside ``[0, V)`` raise ``ValueError``.
+    ``m = params.multipliers`` (int64 products, which cannot overflow), and head
+    ``h = (n-2) * heads_per_ngram + j`` (j in ``0..heads_per_ngram-1``) takes row
+    ``mix_n % head_sizes[h] + head_offsets[h]``. A chunk's ids equal those of the same tokens
+    hashed within the whole sequence, given the chunk's ``ngram_context``.
 
-    ``validate=False`` skips the value checks (token id ranges, offsets); for callers that
-    validated on the host, e.g. ``PLECache.schedule``; out-of-range values are
-    then undefined behaviour.
+    Args:
+        input_ids: int32 or int64 ``[T]``, the tokens of R requests laid end to end.
+        params: the layer's `HashParams` (`hash_params`): multipliers ``[N]``, head sizes and
+            offsets ``[NH]``, ``vocab_size`` V.
+        heads_per_ngram: P, hash heads per n-gram order; ``NH = (N - 1) * P``.
+        eos_token_id: the token that cuts windows, in ``[0, V)``.
+        query_start_loc: int32 or int64 ``[R+1]``, offsets cutting ``input_ids`` into requests
+            (from 0, non-decreasing, ending at T). Default: one request, ``[0, T]``.
+        ngram_context: int32 or int64 ``[R, N-1]``, the tokens before each request's first token,
+            oldest first. Default: all EOS (every request starts its sequence).
+        validate: False skips the value checks (token id ranges, offsets, the multipliers' range; the
+            metadata checks still run), for callers that validated on the host
+            (``PLECache.schedule``); out-of-range values are then undefined behaviour.
+
+    Returns:
+        int64 ``[T, NH]`` on ``input_ids``' device: column h is head h's table row.
+
+    Raises:
+        TypeError: ``input_ids``, ``query_start_loc`` or ``ngram_context`` is not an int32 / int64
+            tensor; ``params`` is not a `HashParams`; ``heads_per_ngram`` or ``eos_token_id`` is not an int.
+        ValueError: ``input_ids`` is not 1-D, is on the meta device, or holds an id outside ``[0, V)``.
+        ValueError: ``params`` has a multiplier outside ``[0, (2**63 - 1) // (V - 1)]``, i.e. one whose
+            product with a token id below V could overflow int64.
+        ValueError: ``heads_per_ngram`` is below 1, or ``(N - 1) * heads_per_ngram`` differs from the
+            number of head sizes in ``params``.
+        ValueError: ``eos_token_id`` is outside ``[0, V)``.
+        ValueError: ``query_start_loc`` is not 1-D, is empty, is on another device than ``input_ids``
+            (or on the meta device), does not start at 0, decreases, or does not end at T.
+        ValueError: ``ngram_context`` is not ``[R, N-1]``, is on another device (or the meta device),
+            or holds an id outside ``[0, V)``.
+
+    Example::
+
+        >>> params = hash_params(PLEConfig.preset("tiny"), 0)            # N = 3, P = 3: NH = 6
+        >>> ngram_ids(torch.tensor([5, 7, 2, 9]), params, heads_per_ngram=3, eos_token_id=2).shape
+        torch.Size([4, 6])
     """
     check = _checks.ngram_call if validate else _checks.ngram_meta
     check(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
+    return _ngram_ids(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
+
+
+def _ngram_ids(input_ids: torch.Tensor, params: HashParams, heads_per_ngram: int, eos_token_id: int,
+               query_start_loc: torch.Tensor | None, ngram_context: torch.Tensor | None) -> torch.Tensor:
+    """The body of `ngram_ids`, for a call already checked (by it, or by ``ngram_embedding``'s one check)."""
     dev = input_ids.device
     N, P = params.multipliers.numel(), heads_per_ngram
     m = params.multipliers.to(dev)
     sizes, offsets = params.head_sizes.to(dev), params.head_offsets.to(dev)
     out = []
-    for seq in _requests(input_ids, N, eos_token_id, query_start_loc, ngram_context):
+    for seq in _request_token_lists(input_ids, N, eos_token_id, query_start_loc, ngram_context):
         w = _windows(seq, N, eos_token_id)                      # [q, N]
-        # SPEC 3: mix_n = (w[0]*m[0]) ^ ... ^ (w[n-1]*m[n-1]) (int64: token * m < 2**63, no overflow);
+        # docs/spec.md 3: mix_n = (w[0]*m[0]) ^ ... ^ (w[n-1]*m[n-1]) (int64: token * m < 2**63, no overflow);
         # head h = (n-2)*P + j takes row mix_n % size[h] + offset[h].
         mix = w[:, 0] * m[0]
         heads = []
