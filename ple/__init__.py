@@ -12,7 +12,7 @@
 * ``ple.PLELayer``: the layer, on any backend (``backend="reference" | "torch" | "triton" | "auto"``).
 
 After a bare ``import ple``, ``ple.reference``, ``ple.vectorized``, ``ple.state``, ``ple.io`` and
-``ple.testing`` are usable as attributes (SPEC section 7); ``ple.fast`` and
+``ple.testing`` are usable as attributes (docs/spec.md section 7); ``ple.fast`` and
 ``ple.distributed`` are imported when first used.
 """
 

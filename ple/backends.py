@@ -1,6 +1,6 @@
 """The one switch between the backends, and the one helper that gives a backend's ops the reference's face.
 
-Three op modules carry the names and signatures of SPEC section 7 (`OP_NAMES`):
+Three op modules carry the names and signatures of docs/spec.md section 7 (`OP_NAMES`):
 
 =============  =====================  ============================================================
 ``backend=``   module                 what it is
@@ -17,7 +17,9 @@ Three op modules carry the names and signatures of SPEC section 7 (`OP_NAMES`):
 =============  =====================  ============================================================
 
 `twin` is how a backend's public function takes the signature and docstring of its reference
-twin (both backends use it), so each is written once. An op module may also set two flags the
+twin (both backends use it), so each is written once; the backend function's own docstring, if it
+has one, holds only what is particular to that backend and is appended under a heading ("Torch
+backend notes:", "Triton backend notes:"). An op module may also set two flags the
 layer reads (`traits`): ``FUSED_KV_PROJECTION`` (the layer makes one GEMM over the
 concatenated key and value weights) and ``CHECKS_VALUES_WHEN_COMPILED`` (its ops check index
 values inside a registered op, so a compiled layer may still ask them to).
@@ -30,6 +32,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import textwrap
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, NamedTuple, TypeVar, cast
@@ -47,7 +50,7 @@ _MODULES = {"reference": "ple.reference", "torch": "ple.vectorized", "triton": "
 
 OP_NAMES = ("ngram_ids", "embedding_lookup", "ngram_embedding", "ple_gate", "ple_conv", "export_conv_checkpoints",
             "dilated_causal_conv", "ple_prefill")
-"""The ops a `PLELayer` calls (SPEC section 7); ``PLELayer(ops=...)`` needs each of them."""
+"""The ops a `PLELayer` calls (docs/spec.md section 7); ``PLELayer(ops=...)`` needs each of them."""
 
 
 class Traits(NamedTuple):
@@ -66,13 +69,22 @@ def traits(ops: object) -> Traits:
 
 def twin(reference: Callable[..., Any], *,
          guard: Callable[[str, tuple[Any, ...], dict[str, Any]], object] | None = None) -> Callable[[_F], _F]:
-    """Decorator: the decorated public op takes ``reference``'s docstring and signature.
+    """Decorator: the decorated public op takes ``reference``'s signature and docstring.
+
+    The decorated function's own docstring, if any, is kept as that backend's notes: it is appended
+    after the reference's under a heading (`_notes_heading`: "Torch backend notes:" in
+    ``ple.vectorized``, "Triton backend notes:" in ``ple.fast``), so ``help(op)`` reads the
+    reference first. Notes that repeat a paragraph of the reference (a copy of its summary, of its
+    ``validate`` paragraph, ...) are refused with a ``ValueError`` when the module is imported: write
+    only what differs.
 
     ``guard(name, args, kwargs)``, if given, runs before every call (``ple.fast`` refuses CPU
-    tensors there when its kernels are compiled).
+    tensors there when its kernels are compiled). Without a guard the function itself is returned
+    (its ``__doc__`` and ``__signature__`` set): no wrapper, no extra call on the hot path.
     """
 
     def decorate(fn: _F) -> _F:
+        doc = _twin_doc(reference, fn)
         if guard is None:               # no wrapper, so no extra call on the hot path: fn itself takes the doc
             call: Callable[..., Any] = fn
         else:
@@ -83,19 +95,53 @@ def twin(reference: Callable[..., Any], *,
                 guard(f"{module}.{fn.__name__}", args, kwargs)
                 return fn(*args, **kwargs)
 
-        call.__doc__ = reference.__doc__
+        call.__doc__ = doc
         call.__signature__ = inspect.signature(reference)  # type: ignore[attr-defined]  # read by inspect.signature
         return cast(_F, call)           # the same parameters as fn (functools.wraps loses them for mypy)
 
     return decorate
 
 
+_NOTES_HEADINGS = {"ple.vectorized": "Torch backend notes:", "ple.fast": "Triton backend notes:"}
+
+
+def _notes_heading(module: str) -> str:
+    """The heading `twin` puts above the notes of a function defined in ``module`` (a dotted name)."""
+    for package, heading in _NOTES_HEADINGS.items():
+        if module == package or module.startswith(package + "."):
+            return heading
+    return f"Notes of {module}:"
+
+
+def _paragraphs(doc: str) -> list[str]:
+    """The paragraphs of a docstring, whitespace collapsed (what a copy would repeat)."""
+    return [" ".join(p.split()) for p in inspect.cleandoc(doc).split("\n\n") if p.strip()]
+
+
+def _twin_doc(reference: Callable[..., Any], fn: Callable[..., Any]) -> str | None:
+    """``reference``'s docstring, then ``fn``'s own (its notes) under `_notes_heading`; see `twin`."""
+    ref_doc, notes = reference.__doc__, fn.__doc__
+    if not notes or not notes.strip():
+        return ref_doc
+    name = f"{fn.__module__}.{fn.__qualname__}"
+    repeated = [p for p in _paragraphs(notes) if p in _paragraphs(ref_doc or "")]
+    if repeated:
+        raise ValueError(f"{name}: its docstring repeats a paragraph of {reference.__module__}."
+                         f"{reference.__qualname__}'s ({repeated[0][:60]!r}...); twin already gives it the "
+                         f"reference's docstring, so keep only what is particular to this backend (appended "
+                         f"under {_notes_heading(fn.__module__)!r})")
+    body = textwrap.indent(inspect.cleandoc(notes), "    ")
+    head = inspect.cleandoc(ref_doc) if ref_doc else ""
+    return f"{head}\n\n{_notes_heading(fn.__module__)}\n\n{body}\n".lstrip("\n")
+
+
 class CustomOps:
     """The user's ops for ``PLELayer(ops=...)``: any object (a module, a namespace, a class instance)
     with the `OP_NAMES` attributes, each with the signature of the ``ple.reference`` op of that name.
 
-    The layer calls its ops with ``validate=False`` where it checked the values itself (SPEC section 7
-    does not list ``validate``): a function that takes no ``validate`` keyword is called without it.
+    The layer calls its ops with ``validate=False`` where it checked the values itself; for a user's ops
+    that keyword is optional (docs/spec.md section 7.14): a function that takes no ``validate`` keyword is
+    called without it.
     Ops the layer does not call (``hash_params``, ``grouped_rms_norm``) come from ``ple.reference``.
     The flags of `traits` are read from the object (default: two GEMMs, no value checks when compiled).
     """

@@ -47,7 +47,7 @@ class PLEConfig:
     hc_count: int
     """M: number of hyper-connection streams; hidden states are ``M * H`` wide."""
     eos_token_id: int
-    """The token that cuts n-gram windows (SPEC section 3). Required."""
+    """The token that cuts n-gram windows (docs/spec.md section 3). Required."""
     ple_embed_dim: int | None = None
     """E: width of the concatenated n-gram embedding; defaults to ``hidden_size``."""
     ple_conv_kernel_size: int = 4

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
+import pydoc
 import types
 
 import pytest
@@ -11,7 +14,15 @@ import torch
 import ple
 import ple.vectorized as vec
 from ple import PLEConfig, PLELayer
-from ple.backends import OP_NAMES, CustomOps, resolve_backend, traits, triton_compiled_available
+from ple.backends import (
+    OP_NAMES,
+    CustomOps,
+    backend_module,
+    resolve_backend,
+    traits,
+    triton_compiled_available,
+    twin,
+)
 from ple.state import PLECache, Prefill
 from ple.testing.layers import random_layer
 from ple.testing.serving import conv_inputs_of_step
@@ -66,3 +77,169 @@ def test_a_fused_prefills_own_conv_inputs_reach_the_replay_checker():
     calls = len(seen)
     assert not torch.equal(conv_inputs_of_step(plain, hidden, batch), got)      # its ple_gate's, not the marker
     assert len(seen) == calls
+
+
+def _reference_op(x, *, dilation: int, validate: bool = True):
+    """Add the dilation to every element.
+
+    ``x``: any shape. The output has ``x``'s shape and dtype.
+
+    ``validate=False`` skips the value checks.
+    """
+    return x + dilation
+
+
+def _decorate_in(module, fn, **kwargs):
+    """``twin(_reference_op)(fn)``, ``fn`` defined as if in ``module`` (where the notes' heading comes from)."""
+    fn.__module__ = module
+    return twin(_reference_op, **kwargs)(fn)
+
+
+def test_twin_keeps_the_reference_doc_and_appends_the_backends_notes():
+    def op(x, *, dilation, validate=True):
+        """Adds in place on a copy (this backend's own note)."""
+        return x + dilation
+
+    got = _decorate_in("ple.vectorized.fake", op)
+    assert got is op                                            # no guard: no wrapper on the hot path
+    doc = inspect.getdoc(got)
+    ref = inspect.getdoc(_reference_op)
+    assert doc.startswith(ref)                                  # the reference first, whole
+    rest = doc[len(ref):]
+    assert rest.lstrip("\n").startswith("Torch backend notes:")
+    assert "Adds in place on a copy (this backend's own note)." in rest
+    assert inspect.signature(got) == inspect.signature(_reference_op)
+    assert "Torch backend notes:" in pydoc.render_doc(got)
+
+    def fast_op(x, *, dilation, validate=True):
+        """One kernel per call."""
+        return x + dilation
+
+    seen = []
+    guarded = _decorate_in("ple.fast.fake", fast_op, guard=lambda name, args, kwargs: seen.append(name))
+    assert guarded is not fast_op and guarded(torch.ones(2), dilation=2).tolist() == [3.0, 3.0]
+    assert seen == ["ple.fast.fast_op"]
+    doc = inspect.getdoc(guarded)
+    assert doc.startswith(ref) and doc.index("Triton backend notes:") > len(ref) and "One kernel per call." in doc
+    assert inspect.signature(guarded) == inspect.signature(_reference_op)
+
+
+def test_twin_without_notes_gives_the_reference_doc_as_it_is():
+    def op(x, *, dilation, validate=True):
+        return x + dilation
+
+    assert _decorate_in("ple.vectorized.fake", op).__doc__ == _reference_op.__doc__
+
+
+@pytest.mark.parametrize("notes", [_reference_op.__doc__, "Add the dilation to every element.",
+                                   "Our own words first.\n\n    ``validate=False``   skips the value\n    checks.\n"])
+def test_twin_refuses_notes_that_copy_the_reference(notes):
+    def op(x, *, dilation, validate=True):
+        return x + dilation
+
+    op.__doc__ = notes
+    with pytest.raises(ValueError, match=r"fake\..*\.op: its docstring repeats a paragraph of .*_reference_op"):
+        _decorate_in("ple.fast.fake", op)
+
+
+def test_every_backend_op_reads_the_reference_first():
+    """``help(op)`` of each backend's op: the reference's docstring whole, then (if any) that backend's notes."""
+    backends = [(vec, "Torch backend notes:")]
+    if importlib.util.find_spec("triton") is not None:
+        import ple.fast
+        backends.append((ple.fast, "Triton backend notes:"))
+    for module, heading in backends:
+        for name in OP_NAMES:
+            doc, ref = inspect.getdoc(getattr(module, name)), inspect.getdoc(getattr(ple.reference, name))
+            assert doc.startswith(ref), (module.__name__, name)
+            rest = doc[len(ref):]
+            assert rest == "" or rest.startswith(f"\n\n{heading}\n\n"), (module.__name__, name, rest[:80])
+            assert inspect.signature(getattr(module, name)) == inspect.signature(getattr(ple.reference, name))
+    notes = vec.export_conv_checkpoints.__doc__.split("Torch backend notes:", 1)[1]
+    assert "fixed-shape write" in notes                         # the torch backend's own words are seen
+
+
+# ---- each op checks its call once, with its own check ---------------------------------------------------
+
+# The checks of ``ple._checks`` that validate one op's call (the others are the helpers they are made of).
+_OWN_CHECKS = {"ngram_ids": "ngram", "ngram_embedding": "ngram", "embedding_lookup": "lookup", "ple_gate": "gate",
+               "ple_conv": "ple_conv", "export_conv_checkpoints": "export",
+               "dilated_causal_conv": "dilated_causal_conv", "ple_prefill": "prefill", "serving ple_prefill": "prefill"}
+
+
+# The exceptions, as the ``ple._checks`` docstring states them: the torch backend's ``ngram_embedding`` runs
+# ``ngram_meta`` and then its ``ngram_ids`` (``ngram_call``) and ``embedding_lookup`` (``lookup_meta``), and its
+# serving ``ple_prefill`` runs ``ple_conv_meta`` again through its ``ple_conv(validate=False)``.
+_CHECKED_AGAIN = {("torch", "ngram_embedding"), ("torch", "serving ple_prefill")}
+
+
+def _valid_calls():
+    """(op, args, kwargs) of a small valid call of every op (and of a serving prefill)."""
+    g = torch.Generator().manual_seed(0)
+    T, C, H, K, d = 8, 6, 3, 3, 2
+    S = (K - 1) * d
+    params = ple.reference.hash_params(TINY, TINY.ple_layer_ids[0])
+    ids = torch.tensor([5, 2, 9, 9, 4, 2, 7, 7])
+    query_start_loc = torch.tensor([0, 3, 8])
+    ngram_kw = dict(heads_per_ngram=TINY.heads_per_ngram, eos_token_id=TINY.eos_token_id,
+                    query_start_loc=query_start_loc, ngram_context=torch.tensor([[1, 2], [3, 4]]))
+    table = torch.randn(params.num_rows, 2, generator=g)
+    gate = [torch.randn(s, generator=g) for s in ((T, C), (T, H), (T, C), (C,), (C,), (C,))] + [1e-6]
+    conv_weights = torch.randn(C, K, generator=g)
+    conv_state = torch.randn(4, C, S, generator=g)
+    rows = torch.randn(T, C, generator=g)
+    serving = dict(dilation=d, query_start_loc=query_start_loc, conv_state=conv_state,
+                   state_indices=torch.tensor([2, 1]), has_initial_states=torch.tensor([True, False]))
+    return [
+        ("ngram_ids", (ids, params), ngram_kw),
+        ("ngram_embedding", (table, ids, params), ngram_kw),
+        ("embedding_lookup", (table, torch.tensor([[0, 3], [1, 2]])), {}),
+        ("ple_gate", tuple(gate), {}),
+        ("ple_conv", (rows, rows.clone(), conv_state, conv_weights, torch.tensor([3, 1])),
+         dict(mode="prefill", dilation=d, query_start_loc=query_start_loc)),
+        ("export_conv_checkpoints", (rows, conv_state),
+         dict(query_start_loc=query_start_loc, offsets=torch.tensor([0, S]), slots=torch.tensor([0, 2]), state_len=S)),
+        ("dilated_causal_conv", (rows, conv_weights), dict(dilation=d, cu_seqlens=query_start_loc)),
+        ("ple_prefill", (*gate, conv_weights), dict(dilation=d, query_start_loc=query_start_loc)),
+        ("serving ple_prefill", (*gate, conv_weights), serving),
+    ]
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch", pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("validate", [True, False])
+def test_each_op_checks_its_call_once_with_its_own_check(backend, validate, monkeypatch):
+    """What ``ple._checks`` promises: an op's public function runs its own op's checks (``<op>_meta`` and, unless
+    ``validate=False``, ``<op>_values``; or ``<op>_call``), each once, and no other op's; a composition
+    (``ple_prefill``, ``ngram_embedding``) has its own checks and calls its parts unchecked."""
+    import ple._checks as checks
+
+    calls: list[str] = []
+
+    def recorded(name, fn):
+        def record(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return record
+
+    for name in checks.__all__:
+        fn = getattr(checks, name)
+        if inspect.isfunction(fn):
+            monkeypatch.setattr(checks, name, recorded(name, fn))
+    ops = backend_module(resolve_backend(backend)[0])
+    wrong = {}
+    for op, args, kwargs in _valid_calls():
+        calls.clear()
+        getattr(ops, op.split()[-1])(*args, **kwargs, **({} if op == "ple_gate" else dict(validate=validate)))
+        family = _OWN_CHECKS[op]
+        own = [c for c in calls if c == "gate_call" or c.endswith(("_meta", "_values", "_call"))]
+        if family == "gate":
+            right = own == ["gate_call"]
+        elif f"{family}_call" in own:
+            right = own == [f"{family}_call"]
+        else:
+            right = own == [f"{family}_meta", f"{family}_values"][:1 + validate]
+        if not right or len(calls) != len(set(calls)):                          # its own checks; nothing twice
+            wrong[op] = calls[:]
+    known = {op for b, op in _CHECKED_AGAIN if b == backend}
+    assert wrong.keys() == known, (f"{backend}: the checks each op ran: {wrong}; known exceptions: {known} "
+                                   f"(fixed? then update _CHECKED_AGAIN and the ple._checks docstring)")

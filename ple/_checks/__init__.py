@@ -1,12 +1,13 @@
-"""Argument validation of every public op, shared by the three backends (SPEC section 9).
+"""Argument validation of every public op, shared by the three backends (docs/spec.md section 9).
 
 Every op validates all of its arguments here before it touches a tensor (so a failed call
 changes nothing); messages start with the argument's name and say what was expected. One
 function per op validates a call and returns its description, a ``NamedTuple`` with the
-host values the op needs: ``ngram_call`` -> `NgramCall` (``ngram_ids``; with ``weight=``
-``ple.fast.ngram_embedding``), ``lookup_call`` -> `LookupCall`, ``gate_call`` -> `GateCall`,
-``ple_conv_call`` -> `ConvCall`, ``export_call`` -> `CheckpointCall`, ``dense_conv_call`` ->
-`DenseConvCall` (``dilated_causal_conv``).
+host values the op needs: ``ngram_call`` -> `NgramCall` (``ngram_ids``; with ``weight=``,
+``ngram_embedding``), ``lookup_call`` -> `LookupCall`, ``gate_call`` -> `GateCall`,
+``ple_conv_call`` -> `ConvCall`, ``export_call`` -> `CheckpointCall`, ``dilated_causal_conv_call``
+-> `DilatedCausalConvCall`, ``prefill_call`` (``ple_prefill``: the gate's checks, then the training
+conv's or the serving conv's). Their fields are the host values, named ``<argument>_list``.
 
 Split by cost: ``<op>_call(*args, host=None)`` is ``<op>_meta(*args)`` then
 ``<op>_values(*args, host=host)``. *Metadata* (free: Python types, ranks, shapes, dtypes,
@@ -23,7 +24,16 @@ Who calls what: ``ple.reference`` and ``ple.vectorized`` call ``<op>_meta`` and,
 calls ``<op>_meta`` (at trace time under ``torch.compile``, and before dispatch, so a meta tensor
 among real ones never reaches the fake kernel); its registered op (``torch.ops.ple.*``) trusts
 that and calls only ``<op>_values``, at run time inside the op, so a compiled graph has no graph
-break. Nothing is checked twice.
+break.
+
+Once each: an op runs its own op's checks, ``<op>_meta`` once and ``<op>_values`` at most once, and
+no other op's. A composition has checks of its own and runs its parts unchecked: ``ple_prefill``
+(``prefill_*``) on every backend, ``ngram_embedding`` (``ngram_*`` with ``weight=``) on the reference
+and Triton backends. Two exceptions, in the torch backend, both metadata only (no value is read
+twice): its ``ngram_embedding`` runs ``ngram_meta`` and then its ``ngram_ids``' checks and
+``embedding_lookup``'s ``lookup_meta``; its serving ``ple_prefill`` runs ``ple_conv_meta`` again
+through ``ple_conv(validate=False)``. ``tests/test_backends.py`` records the checks each op runs on
+each backend and holds this paragraph to them.
 
 Modules, one concern each (everything is re-exported here, so callers write ``_checks.<name>``):
 ``args`` (one argument's checks, offsets, host values, `full_check`), ``ops`` (hashing, lookup,
@@ -47,10 +57,10 @@ from .args import (
 from .conv import (
     CheckpointCall,
     ConvCall,
-    DenseConvCall,
-    dense_conv_call,
-    dense_conv_meta,
-    dense_conv_values,
+    DilatedCausalConvCall,
+    dilated_causal_conv_call,
+    dilated_causal_conv_meta,
+    dilated_causal_conv_values,
     export_call,
     export_meta,
     export_values,
@@ -66,6 +76,7 @@ from .ops import (
     lookup_call,
     lookup_meta,
     lookup_values,
+    multipliers_values,
     ngram_call,
     ngram_meta,
     ngram_values,
@@ -75,7 +86,7 @@ from .prefill import prefill_call, prefill_meta, prefill_values
 __all__ = ["Host", "tensor", "index", "int_arg", "host_list", "host_values", "value_range", "offsets_meta",
            "offsets_values", "offsets_arg", "rows_values", "full_check",
            "NgramCall", "ngram_meta", "ngram_values", "ngram_call", "LookupCall", "lookup_meta", "lookup_values",
-           "lookup_call", "GateCall", "gate_call",
+           "lookup_call", "multipliers_values", "GateCall", "gate_call",
            "ConvCall", "ple_conv_meta", "ple_conv_values", "ple_conv_call", "CheckpointCall", "export_meta",
-           "export_values", "export_call", "DenseConvCall", "dense_conv_meta", "dense_conv_values",
-           "dense_conv_call", "prefill_meta", "prefill_values", "prefill_call"]
+           "export_values", "export_call", "DilatedCausalConvCall", "dilated_causal_conv_meta",
+           "dilated_causal_conv_values", "dilated_causal_conv_call", "prefill_meta", "prefill_values", "prefill_call"]

@@ -110,11 +110,11 @@ def offsets_values(name: str, t: torch.Tensor, *, total: int, host: Host = None)
     return q
 
 
-def offsets_arg(name: str, qsl, *, total: int, device, num_requests: int | None = None,
+def offsets_arg(name: str, t, *, total: int, device, num_requests: int | None = None,
                 host: Host = None) -> list[int]:
     """Validate cumulative row offsets ``[R+1]``: start at 0, non-decreasing, end at ``total``."""
-    offsets_meta(name, qsl, device=device, num_requests=num_requests)
-    return offsets_values(name, qsl, total=total, host=host)
+    offsets_meta(name, t, device=device, num_requests=num_requests)
+    return offsets_values(name, t, total=total, host=host)
 
 
 def rows_values(t: torch.Tensor, T: int, host: Host, *, distinct: bool) -> list[int]:

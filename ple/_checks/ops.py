@@ -10,8 +10,8 @@ from .args import Host, full_check, host_values, index, int_arg, offsets_meta, o
 
 
 class NgramCall(NamedTuple):
-    num_requests: int           # R
-    starts: list[int]           # query_start_loc on the host ([0, T] without one)
+    num_requests: int                   # R
+    query_start_loc_list: list[int]     # per request + 1 ([0, T] without a query_start_loc)
 
 
 def ngram_meta(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context, *,
@@ -37,12 +37,27 @@ def ngram_meta(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc
         tensor("weight", weight, ndim=2, device=dev)
 
 
+def multipliers_values(name: str, multipliers: list[int], vocab_size: int) -> None:
+    """docs/spec.md section 3: every multiplier ``m`` lies in ``[0, (2**63 - 1) // (V - 1)]``, so ``token * m``
+    fits int64 for every token id below V, and so does the XOR of such products (all non-negative). A product that
+    overflowed would wrap negative, and ``%`` on a backend that keeps the dividend's sign (Triton's) would then
+    address a row before the head's: such hash parameters are a ``ValueError`` naming ``name``."""
+    limit = (2**63 - 1) // max(vocab_size - 1, 1)
+    bad = [f"m[{i}] = {m}" for i, m in enumerate(multipliers) if not 0 <= m <= limit]
+    if bad:
+        raise ValueError(f"{name}: multipliers must lie in [0, (2**63 - 1) // (vocab_size - 1)] = [0, {limit}] "
+                         f"for vocab_size={vocab_size}, so that token * m never overflows int64; got "
+                         f"{', '.join(bad)}")
+
+
 def ngram_values(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context, *,
                  weight=None, host: Host = None) -> NgramCall:
-    """Values of ``ngram_ids`` (with ``weight``: also that the table holds every row the hash addresses)."""
+    """Values of ``ngram_ids`` (with ``weight``: also that the table holds every row the hash addresses): the
+    multipliers of ``params`` first (`multipliers_values`)."""
     T, V = input_ids.numel(), params.vocab_size
-    starts = [0, T] if query_start_loc is None else offsets_values("query_start_loc", query_start_loc,
-                                                                    total=T, host=host)
+    multipliers_values("params", host_values("multipliers", params.multipliers, host).tolist(), V)
+    query_start_loc_list = ([0, T] if query_start_loc is None
+                            else offsets_values("query_start_loc", query_start_loc, total=T, host=host))
     if ngram_context is not None:
         value_range("ngram_context", host_values("ngram_context", ngram_context, host), V, "token ids")
     value_range("input_ids", host_values("input_ids", input_ids, host), V, "token ids")
@@ -52,7 +67,7 @@ def ngram_values(input_ids, params, heads_per_ngram, eos_token_id, query_start_l
         if weight.shape[0] < needed:
             raise ValueError(f"weight: the hash addresses rows up to {needed - 1}, so the table needs at "
                              f"least {needed} rows, got {weight.shape[0]}")
-    return NgramCall(len(starts) - 1, starts)
+    return NgramCall(len(query_start_loc_list) - 1, query_start_loc_list)
 
 
 ngram_call = full_check(ngram_meta, ngram_values, "ngram_ids")

@@ -4,8 +4,10 @@ conv's (a serving prefill), each by its own op's check."""
 from __future__ import annotations
 
 from .args import index, int_arg
-from .conv import dense_conv_meta, dense_conv_values, ple_conv_meta, ple_conv_values
+from .conv import dilated_causal_conv_meta, dilated_causal_conv_values, ple_conv_meta, ple_conv_values
 from .ops import gate_call
+
+_NAMES = ("key", "conv_weights", "query_start_loc")     # dilated_causal_conv's x, weight, cu_seqlens
 
 
 def prefill_meta(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
@@ -23,7 +25,7 @@ def prefill_meta(key, value, hidden_states, norm_key_weight, norm_query_weight, 
                 raise ValueError(f"{name}: only for a serving prefill (with a conv_state); got one without")
         if query_start_loc is None:
             raise ValueError("query_start_loc: required")
-        dense_conv_meta(key, conv_weights, dilation, query_start_loc)
+        dilated_causal_conv_meta(key, conv_weights, dilation, query_start_loc, names=_NAMES)
         int_arg("null_slot", null_slot)
     else:
         if state_indices is None:
@@ -38,7 +40,7 @@ def prefill_values(key, conv_weights, *, dilation, query_start_loc, conv_state, 
                    has_initial_states, token_indices, null_slot) -> None:
     """Value checks of a ``ple_prefill`` call (offsets, index ranges, distinct slots and rows): host reads."""
     if conv_state is None:
-        dense_conv_values(key, conv_weights, dilation, query_start_loc)
+        dilated_causal_conv_values(key, conv_weights, dilation, query_start_loc, names=_NAMES)
     else:
         ple_conv_values(key, key, conv_state, conv_weights, state_indices, mode="prefill", dilation=dilation,
                         query_start_loc=query_start_loc, has_initial_states=has_initial_states,

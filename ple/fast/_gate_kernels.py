@@ -1,4 +1,4 @@
-"""The Triton kernels of ``ple.fast.gate`` (the grouped RMS norms and the signed-sqrt gate, SPEC section 4).
+"""The Triton kernels of ``ple.fast.gate`` (the grouped RMS norms and the signed-sqrt gate, docs/spec.md section 4).
 
 Notation per token ``t`` and stream ``m`` (vectors of ``H`` channels): ``k``, ``q`` the
 key and hidden-state groups, ``v`` the value row; ``r_k = rsqrt(mean(k^2) + eps)``,

@@ -1,4 +1,4 @@
-"""The gate's arithmetic (SPEC section 4) as ``@triton.jit`` helpers, one definition for every kernel that gates.
+"""The gate's arithmetic (docs/spec.md section 4) as ``@triton.jit`` helpers, one definition for every gating kernel.
 
 ``ple.fast.gate`` (one token per program), ``ple.fast.prefill`` (a block of rows per program) and
 ``ple.fast.prefill_inputs`` call these, so the rounding points of the gate exist once: after each

@@ -1,12 +1,13 @@
 """The one way ``ple.fast`` registers an op with ``torch.library``, and gives its public function the reference's doc.
 
-Each part (``hashing``, ``embedding``, ``gate``, ``conv``, ``training_conv``) ends with
+Each part (``hashing``, ``embedding``, ``gate``, ``conv``, ``training_conv``, ``prefill``) ends with
 its registrations: `register` wraps ``torch.library.custom_op`` (namespace ``ple``, so
 the op is ``torch.ops.ple.<name>``), ``register_fake`` (shapes for tracing) and, for
 differentiable ops, ``register_autograd`` (whose backward is itself a registered op).
 `twin` gives the public Python function the signature and docstring of its
-``ple.reference`` twin, so they exist once, and refuses CPU tensors when the kernels are
-compiled (`check_runnable`: a clear ``ValueError`` instead of Triton's "0 active drivers").
+``ple.reference`` twin, so they exist once (a docstring of its own is appended under "Triton backend
+notes:"), and refuses CPU tensors when the kernels are compiled (`check_runnable`: a clear
+``ValueError`` instead of Triton's "0 active drivers").
 """
 
 from __future__ import annotations
@@ -61,5 +62,5 @@ def register(name: str, impl: Callable[..., Any], *, fake: Callable[..., Any], m
 
 def twin(reference: Callable[..., Any]) -> Callable[[_F], _F]:
     """``ple.backends.twin`` with `check_runnable` as its guard: the public op takes ``reference``'s docstring
-    and signature, and refuses CPU tensors while the kernels are compiled."""
+    (its own appended as notes) and signature, and refuses CPU tensors while the kernels are compiled."""
     return _twin(reference, guard=check_runnable)

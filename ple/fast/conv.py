@@ -1,4 +1,4 @@
-"""Triton kernels for the serving step of the dilated causal convolution (SPEC sections 5, 6 and 8).
+"""Triton kernels for the serving step of the dilated causal convolution (docs/spec.md sections 5, 6 and 8).
 
 Same names, signatures and numbers as ``ple.reference.conv``; the arguments are
 validated by the same checks (``ple._checks``) before any tensor is touched.
@@ -108,10 +108,11 @@ EXPORT_UNROLL = tl.constexpr(8)   # state columns per step of the export kernel'
 
 
 @triton.jit
-def _prefill_request(r, qsl_ptr, stride_qsl_r, init_ptr, stride_init_r, HAS_INIT_FLAGS: tl.constexpr):
+def _prefill_request(r, query_start_loc_ptr, stride_query_start_loc_r, init_ptr, stride_init_r,
+                     HAS_INIT_FLAGS: tl.constexpr):
     """First logical row, row count and has-initial-state flag (nonzero int) of prefill request ``r``."""
-    lo = tl.load(qsl_ptr + r * stride_qsl_r).to(tl.int64)
-    n = tl.load(qsl_ptr + (r + 1) * stride_qsl_r).to(tl.int64) - lo
+    lo = tl.load(query_start_loc_ptr + r * stride_query_start_loc_r).to(tl.int64)
+    n = tl.load(query_start_loc_ptr + (r + 1) * stride_query_start_loc_r).to(tl.int64) - lo
     if HAS_INIT_FLAGS:
         flag = tl.load(init_ptr + r * stride_init_r).to(tl.int64)
     else:
@@ -122,11 +123,11 @@ def _prefill_request(r, qsl_ptr, stride_qsl_r, init_ptr, stride_init_r, HAS_INIT
 @triton.jit
 def _step_out_kernel(
     x_ptr, res_ptr, outer_ptr, state_ptr, w_ptr,
-    slot_ptr, qsl_ptr, init_ptr, rows_ptr,
+    slot_ptr, query_start_loc_ptr, init_ptr, rows_ptr,
     C, null_slot, R, steps,
     stride_x_t, stride_x_c, stride_res_t, stride_res_c, stride_outer_t, stride_outer_c,
     stride_state_n, stride_state_c, stride_state_w, stride_w_c, stride_w_k,
-    stride_slot_r, stride_qsl_r, stride_init_r, stride_rows_t,
+    stride_slot_r, stride_query_start_loc_r, stride_init_r, stride_rows_t,
     K: tl.constexpr, DILATION: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     HAS_TOKEN_INDICES: tl.constexpr, HAS_OUTER_RESIDUAL: tl.constexpr,
     IS_X_BF16: tl.constexpr, IS_STATE_BF16: tl.constexpr, IS_W_BF16: tl.constexpr,
@@ -142,8 +143,9 @@ def _step_out_kernel(
     S: tl.constexpr = (K - 1) * DILATION                        # history length (compile-time)
     XT = x_ptr.dtype.element_ty
     pid_c = tl.program_id(1)
-    r, t0 = tile_of(tl.program_id(0), qsl_ptr, stride_qsl_r, R, steps, BLOCK_T)
-    lo, n, flag = _prefill_request(r, qsl_ptr, stride_qsl_r, init_ptr, stride_init_r, HAS_INIT_FLAGS)
+    r, t0 = tile_of(tl.program_id(0), query_start_loc_ptr, stride_query_start_loc_r, R, steps, BLOCK_T)
+    lo, n, flag = _prefill_request(r, query_start_loc_ptr, stride_query_start_loc_r, init_ptr, stride_init_r,
+                                   HAS_INIT_FLAGS)
     if t0 >= n:                                                 # a gap id (or an empty request): no rows
         return
     slot = tl.load(slot_ptr + r * stride_slot_r).to(tl.int64)
@@ -202,10 +204,10 @@ def _step_out_kernel(
 @triton.jit
 def _step_state_kernel(
     x_ptr, state_ptr,
-    slot_ptr, qsl_ptr, init_ptr, rows_ptr,
+    slot_ptr, query_start_loc_ptr, init_ptr, rows_ptr,
     C, null_slot,
     stride_x_t, stride_x_c, stride_state_n, stride_state_c, stride_state_w,
-    stride_slot_r, stride_qsl_r, stride_init_r, stride_rows_t,
+    stride_slot_r, stride_query_start_loc_r, stride_init_r, stride_rows_t,
     K: tl.constexpr, DILATION: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, HAS_TOKEN_INDICES: tl.constexpr,
     IS_X_BF16: tl.constexpr, IS_STATE_BF16: tl.constexpr, IS_STATE_SAME_DTYPE: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -220,7 +222,8 @@ def _step_state_kernel(
     ST = state_ptr.dtype.element_ty
     r = tl.program_id(0).to(tl.int64)
     pid_c = tl.program_id(1)
-    lo, n, flag = _prefill_request(r, qsl_ptr, stride_qsl_r, init_ptr, stride_init_r, HAS_INIT_FLAGS)
+    lo, n, flag = _prefill_request(r, query_start_loc_ptr, stride_query_start_loc_r, init_ptr, stride_init_r,
+                                   HAS_INIT_FLAGS)
     slot = tl.load(slot_ptr + r * stride_slot_r).to(tl.int64)
     if (n == 0) | (slot == null_slot):                          # nothing to write
         return
@@ -246,14 +249,14 @@ def _step_state_kernel(
 
 @triton.jit
 def _export_kernel(
-    x_ptr, state_ptr, qsl_ptr, off_ptr, slots_ptr, rows_ptr,
+    x_ptr, state_ptr, query_start_loc_ptr, off_ptr, slots_ptr, rows_ptr,
     C, null_slot, state_len,
     stride_x_t, stride_x_c, stride_state_n, stride_state_c, stride_state_w,
-    stride_qsl_r, stride_off_r, stride_slots_r, stride_rows_t,
+    stride_query_start_loc_r, stride_off_r, stride_slots_r, stride_rows_t,
     HAS_TOKEN_INDICES: tl.constexpr, IS_X_BF16: tl.constexpr, IS_STATE_BF16: tl.constexpr,
     IS_STATE_SAME_DTYPE: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """``state[slots[r], :, i] = inputs[row(qsl[r] + offsets[r] - state_len + i)]`` for i < state_len.
+    """``state[slots[r], :, i] = inputs[row(query_start_loc[r] + offsets[r] - state_len + i)]`` for i < state_len.
 
     The column loop is unrolled `EXPORT_UNROLL` times (columns past ``state_len`` masked), so
     the vector copies dominate the per-request scalar loads.
@@ -265,7 +268,7 @@ def _export_kernel(
     slot = tl.load(slots_ptr + r * stride_slots_r).to(tl.int64)
     if (off <= 0) | (slot == null_slot):                        # no checkpoint for this request
         return
-    first = tl.load(qsl_ptr + r * stride_qsl_r).to(tl.int64) + off - state_len
+    first = tl.load(query_start_loc_ptr + r * stride_query_start_loc_r).to(tl.int64) + off - state_len
     c = (pid_c * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
     m = c < C
     state_at = state_ptr + slot * stride_state_n + c * stride_state_c
@@ -287,9 +290,10 @@ def _export_kernel(
 # ---- launchers -------------------------------------------------------------------------------------
 
 
-def _dtype_flags(inputs: torch.Tensor, state: torch.Tensor) -> dict:
-    return dict(IS_X_BF16=inputs.dtype == torch.bfloat16, IS_STATE_BF16=state.dtype == torch.bfloat16,
-                IS_STATE_SAME_DTYPE=state.dtype == inputs.dtype)
+def _conv_dtype_flags(inputs: torch.Tensor, conv_state: torch.Tensor) -> dict:
+    """The dtype flags every conv kernel takes (``ple.fast.gate`` has its own, `_gate_dtype_flags`)."""
+    return dict(IS_X_BF16=inputs.dtype == torch.bfloat16, IS_STATE_BF16=conv_state.dtype == torch.bfloat16,
+                IS_STATE_SAME_DTYPE=conv_state.dtype == inputs.dtype)
 
 
 def _ple_conv_fwd(inputs, residual, conv_state, conv_weights, state_indices, mode, dilation, query_start_loc,
@@ -303,7 +307,8 @@ def _ple_conv_fwd(inputs, residual, conv_state, conv_weights, state_indices, mod
         return
     MODE = _MODES[mode]
     placeholder = state_indices                                # for absent index tensors: never read
-    qsl = query_start_loc if (MODE != DECODE.value and query_start_loc is not None) else placeholder
+    if MODE == DECODE.value or query_start_loc is None:        # decode: request r is row r, the offsets unread
+        query_start_loc = placeholder
     use_flags = has_initial_states is not None and MODE != SPEC.value
     init = has_initial_states if use_flags else placeholder
     if init.dtype == torch.bool:
@@ -311,13 +316,13 @@ def _ple_conv_fwd(inputs, residual, conv_state, conv_weights, state_indices, mod
     rows = token_indices if token_indices is not None else placeholder
     outer = outer_residual if outer_residual is not None else residual
     args = dict(
-        x_ptr=inputs, state_ptr=conv_state, slot_ptr=state_indices, qsl_ptr=qsl, init_ptr=init, rows_ptr=rows,
-        C=C, null_slot=null_slot,
+        x_ptr=inputs, state_ptr=conv_state, slot_ptr=state_indices, query_start_loc_ptr=query_start_loc, init_ptr=init,
+        rows_ptr=rows, C=C, null_slot=null_slot,
         stride_x_t=inputs.stride(0), stride_x_c=inputs.stride(1), stride_state_n=conv_state.stride(0),
         stride_state_c=conv_state.stride(1), stride_state_w=conv_state.stride(2),
-        stride_slot_r=state_indices.stride(0), stride_qsl_r=qsl.stride(0), stride_init_r=init.stride(0),
-        stride_rows_t=rows.stride(0), K=conv_weights.shape[1], DILATION=dilation, HAS_INIT_FLAGS=use_flags,
-        HAS_TOKEN_INDICES=token_indices is not None, **_dtype_flags(inputs, conv_state))
+        stride_slot_r=state_indices.stride(0), stride_query_start_loc_r=query_start_loc.stride(0),
+        stride_init_r=init.stride(0), stride_rows_t=rows.stride(0), K=conv_weights.shape[1], DILATION=dilation,
+        HAS_INIT_FLAGS=use_flags, HAS_TOKEN_INDICES=token_indices is not None, **_conv_dtype_flags(inputs, conv_state))
     outputs = dict(
         res_ptr=residual, outer_ptr=outer,
         stride_res_t=residual.stride(0), stride_res_c=residual.stride(1),
@@ -345,13 +350,13 @@ def _export_fwd(inputs, conv_state, query_start_loc, offsets, slots, state_len, 
     rows = token_indices if token_indices is not None else offsets      # placeholder: never read
     bc = pow2_block(C, FUSED_BLOCK_C)
     _export_kernel[(R, triton.cdiv(C, bc))](
-        x_ptr=inputs, state_ptr=conv_state, qsl_ptr=query_start_loc, off_ptr=offsets, slots_ptr=slots,
+        x_ptr=inputs, state_ptr=conv_state, query_start_loc_ptr=query_start_loc, off_ptr=offsets, slots_ptr=slots,
         rows_ptr=rows, C=C, null_slot=null_slot, state_len=state_len,
         stride_x_t=inputs.stride(0), stride_x_c=inputs.stride(1), stride_state_n=conv_state.stride(0),
         stride_state_c=conv_state.stride(1), stride_state_w=conv_state.stride(2),
-        stride_qsl_r=query_start_loc.stride(0), stride_off_r=offsets.stride(0), stride_slots_r=slots.stride(0),
-        stride_rows_t=rows.stride(0), HAS_TOKEN_INDICES=token_indices is not None,
-        **_dtype_flags(inputs, conv_state), BLOCK_C=bc, num_warps=FUSED_WARPS)
+        stride_query_start_loc_r=query_start_loc.stride(0), stride_off_r=offsets.stride(0),
+        stride_slots_r=slots.stride(0), stride_rows_t=rows.stride(0), HAS_TOKEN_INDICES=token_indices is not None,
+        **_conv_dtype_flags(inputs, conv_state), BLOCK_C=bc, num_warps=FUSED_WARPS)
 
 
 # ---- registration ----------------------------------------------------------------------------------
@@ -362,6 +367,9 @@ _CONV_KEYWORDS = ("mode", "dilation", "query_start_loc", "has_initial_states", "
                   "spec_query_len", "token_indices", "outer_residual", "null_slot")
 
 
+# The registered op's schema names the mode ``conv_mode``, not ``mode``: a mutating custom op is traced as
+# ``auto_functionalized(op, **kwargs)``, whose redirect takes a ``mode`` argument of its own, so an op
+# argument named ``mode`` breaks ``torch.compile`` (tests/test_compile.py). The public op keeps ``mode``.
 def _ple_conv_impl(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Tensor,
                    conv_weights: torch.Tensor, state_indices: torch.Tensor, conv_mode: str, dilation: int,
                    query_start_loc: torch.Tensor | None, has_initial_states: torch.Tensor | None,

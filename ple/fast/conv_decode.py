@@ -1,4 +1,4 @@
-"""The fused decode / spec kernel of the serving conv step (SPEC section 6), and what it shares with prefill.
+"""The fused decode / spec kernel of the serving conv step (docs/spec.md section 6), and what it shares with prefill.
 
 ``_step_fused_kernel``, grid ``(requests, channel blocks)``, one launch per decode or spec call.
 Each program owns one request and a block of ``BLOCK_C`` channels, i.e. one (slot, channel
@@ -128,11 +128,11 @@ def load_taps(w_ptr, c, stride_w_c, stride_w_k, mask, K: tl.constexpr, IS_W_BF16
 @triton.jit
 def _step_fused_kernel(
     x_ptr, res_ptr, outer_ptr, state_ptr, w_ptr,
-    slot_ptr, qsl_ptr, init_ptr, nat_ptr, rows_ptr,
+    slot_ptr, query_start_loc_ptr, init_ptr, nat_ptr, rows_ptr,
     C, null_slot,
     stride_x_t, stride_x_c, stride_res_t, stride_res_c, stride_outer_t, stride_outer_c,
     stride_state_n, stride_state_c, stride_state_w, stride_w_c, stride_w_k,
-    stride_slot_r, stride_qsl_r, stride_init_r, stride_nat_r, stride_rows_t,
+    stride_slot_r, stride_query_start_loc_r, stride_init_r, stride_nat_r, stride_rows_t,
     K: tl.constexpr, DILATION: tl.constexpr, MODE: tl.constexpr, Q: tl.constexpr,
     HAS_INIT_FLAGS: tl.constexpr, HAS_TOKEN_INDICES: tl.constexpr, HAS_OUTER_RESIDUAL: tl.constexpr,
     IS_X_BF16: tl.constexpr, IS_STATE_BF16: tl.constexpr, IS_W_BF16: tl.constexpr,
@@ -147,8 +147,8 @@ def _step_fused_kernel(
         lo = r
         n = r * 0 + 1
     else:
-        lo = tl.load(qsl_ptr + r * stride_qsl_r).to(tl.int64)
-        n = tl.load(qsl_ptr + (r + 1) * stride_qsl_r).to(tl.int64) - lo
+        lo = tl.load(query_start_loc_ptr + r * stride_query_start_loc_r).to(tl.int64)
+        n = tl.load(query_start_loc_ptr + (r + 1) * stride_query_start_loc_r).to(tl.int64) - lo
     slot = tl.load(slot_ptr + r * stride_slot_r).to(tl.int64)
     flag, off = history_source(r, init_ptr, stride_init_r, nat_ptr, stride_nat_r, MODE, HAS_INIT_FLAGS)
     c = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)

@@ -1,4 +1,4 @@
-"""The grouped RMS norms and the signed-sqrt gate (SPEC section 4) as Triton kernels.
+"""The grouped RMS norms and the signed-sqrt gate (docs/spec.md section 4) as Triton kernels.
 
 Notation per token ``t`` and stream ``m`` (vectors of ``H`` channels): ``k``, ``q`` the
 key and hidden-state groups, ``v`` the value row; ``r_k = rsqrt(mean(k^2) + eps)``,
@@ -100,7 +100,8 @@ def _input_args(key, value, hidden_states, wk, wq, wc) -> dict:
     )
 
 
-def _dtype_flags(dt: torch.dtype) -> dict:
+def _gate_dtype_flags(dt: torch.dtype) -> dict:
+    """The dtype flags of the gate kernels (the conv kernels have their own, ``ple.fast.conv._conv_dtype_flags``)."""
     return dict(IS_FP64=is_fp64(dt), IS_BF16=dt == torch.bfloat16, IS_FP16=dt == torch.float16)
 
 
@@ -158,7 +159,7 @@ def _gate_bwd(dgated, dconv, key, value, hidden_states, wk, wq, wc, eps):
             TOK=stats_tok, CHUNK=stats_chunk, BLOCK_M=block_m, num_warps=_warps(block_m * stats_chunk // 2),
             **grads)
         _gate_bwd_kernel[(tiles, triton.cdiv(H, bwd_chunk))](
-            dk_ptr=dkey, dq_ptr=dhidden, dv_ptr=dvalue, part_ptr=part, T=T, H=H, M=M, C=C, **_dtype_flags(dt),
+            dk_ptr=dkey, dq_ptr=dhidden, dv_ptr=dvalue, part_ptr=part, T=T, H=H, M=M, C=C, **_gate_dtype_flags(dt),
             TOK=tok, CHUNK=bwd_chunk, BLOCK_M=block_m, num_warps=_warps(tok * bwd_chunk), **grads)
     dws = [torch.empty((C,), dtype=w.dtype, device=dev) for w in (wk, wq, wc)]
     flags = {}

@@ -1,4 +1,4 @@
-"""N-gram ids (SPEC section 3) as one Triton kernel, and the fused hash + table gather.
+"""N-gram ids (docs/spec.md section 3) as one Triton kernel, and the fused hash + table gather.
 
 Kernel design (``_ngram_kernel``; grid ``cdiv(T, BLOCK_T)``, one program per block of tokens:
 `_BLOCK_T` tokens for the ids, ``_FUSED_ROWS // NH'`` for the fused gather, ``NH'`` being ``NH``
@@ -16,7 +16,7 @@ rounded up to a power of two):
   ``N - 1 + pos - k``; all EOS without a context, ``HAS_CONTEXT`` false). A running flag
   says whether a step back has already reached an EOS; once it has, the entry is EOS.
 * **Hash.** ``mix`` accumulates ``w[k] * m[k]`` by XOR in int64 (the products are below
-  ``2**63`` by construction, SPEC section 2); after step ``k`` it becomes the mix of the ``P``
+  ``2**63`` by construction, docs/spec.md section 2); after step ``k`` it becomes the mix of the ``P``
   heads of order ``k + 1`` in a ``[tokens, NH']`` tile, and every head takes
   ``mix % size[h] + offset[h]`` at once. Multipliers, sizes and offsets are read from the
   ``HashParams`` tensors (so a loaded checkpoint's buffers are what is used): the multipliers
@@ -62,7 +62,7 @@ _BLOCK_D = 64          # table columns per chunk of the fused gather
 @triton.jit
 def _ngram_kernel(
     ids_ptr, stride_ids_t,                                 # [T] token ids
-    qsl_ptr, stride_qsl_r,                                 # [R+1] query_start_loc (IS_VARLEN)
+    query_start_loc_ptr, stride_query_start_loc_r,         # [R+1] query_start_loc (IS_VARLEN)
     ctx_ptr, stride_ctx_r, stride_ctx_k,                   # [R, N-1] contexts (HAS_CONTEXT)
     mult_ptr, sizes_ptr, offsets_ptr,                      # [N], [NH], [NH] int64, contiguous
     out_ptr, stride_out_t, stride_out_h,                   # [T, NH] int64 ids (HAS_IDS_OUT)
@@ -100,12 +100,12 @@ def _ngram_kernel(
         hi = tl.zeros([BLOCK_T], dtype=tl.int64) + (R - 1)
         for _ in range(search_steps):
             mid = (lo + hi + 1) // 2
-            start_mid = tl.load(qsl_ptr + mid * stride_qsl_r, mask=live, other=0).to(tl.int64)
+            start_mid = tl.load(query_start_loc_ptr + mid * stride_query_start_loc_r, mask=live, other=0).to(tl.int64)
             go_right = start_mid <= t
             lo = tl.where(go_right, mid, lo)
             hi = tl.where(go_right, hi, mid - 1)
         req = lo
-        start = tl.load(qsl_ptr + req * stride_qsl_r, mask=live, other=0).to(tl.int64)
+        start = tl.load(query_start_loc_ptr + req * stride_query_start_loc_r, mask=live, other=0).to(tl.int64)
     else:
         req = tl.zeros([BLOCK_T], dtype=tl.int64)
         start = tl.zeros([BLOCK_T], dtype=tl.int64)
@@ -167,7 +167,9 @@ def _hash(input_ids, multipliers, head_sizes, head_offsets, P, eos_token_id, que
     emb = torch.empty((T, NH * D), dtype=weight.dtype, device=dev) if has_table else None
     if T == 0:
         return out, emb
-    qsl = query_start_loc if query_start_loc is not None else input_ids   # placeholders are never read
+    is_varlen = query_start_loc is not None
+    if query_start_loc is None:                                         # placeholders are never read
+        query_start_loc = input_ids
     ctx = ngram_context if ngram_context is not None else input_ids[None]
     ids_out = out if out is not None else mult[None]                    # out is None without write_ids
     w = weight if weight is not None else mult[None]
@@ -176,14 +178,14 @@ def _hash(input_ids, multipliers, head_sizes, head_offsets, P, eos_token_id, que
     block_t = max(1, _FUSED_ROWS // triton.next_power_of_2(NH)) if has_table else _BLOCK_T
     _ngram_kernel[(triton.cdiv(T, block_t),)](
         ids_ptr=input_ids, stride_ids_t=input_ids.stride(0),
-        qsl_ptr=qsl, stride_qsl_r=qsl.stride(0),
+        query_start_loc_ptr=query_start_loc, stride_query_start_loc_r=query_start_loc.stride(0),
         ctx_ptr=ctx, stride_ctx_r=ctx.stride(0), stride_ctx_k=ctx.stride(1),
         mult_ptr=mult, sizes_ptr=sizes, offsets_ptr=offsets,
         out_ptr=ids_out, stride_out_t=ids_out.stride(0), stride_out_h=ids_out.stride(1),
         w_ptr=w, stride_w_r=w.stride(0), stride_w_d=w.stride(1),
         emb_ptr=e, stride_emb_t=e.stride(0), stride_emb_c=e.stride(1),
         T=T, R=R, D=D, eos=eos_token_id, search_steps=max(R - 1, 0).bit_length(),
-        N=N, P=P, IS_VARLEN=query_start_loc is not None, HAS_CONTEXT=ngram_context is not None,
+        N=N, P=P, IS_VARLEN=is_varlen, HAS_CONTEXT=ngram_context is not None,
         HAS_IDS_OUT=write_ids, HAS_TABLE=has_table, BLOCK_T=block_t, BLOCK_D=pow2_block(D, _BLOCK_D),
     )
     return out, emb
@@ -258,16 +260,16 @@ def _ngram_embedding_fake(weight, input_ids, multipliers, head_sizes, head_offse
 
 
 def _ngram_embedding_setup(ctx, inputs, output):
-    weight, input_ids, mult, sizes, offsets, vocab, P, eos, qsl, context, _ = inputs
-    ctx.save_for_backward(input_ids, mult, sizes, offsets, qsl, context)
+    weight, input_ids, mult, sizes, offsets, vocab, P, eos, query_start_loc, context, _ = inputs
+    ctx.save_for_backward(input_ids, mult, sizes, offsets, query_start_loc, context)
     ctx.meta = (P, eos, weight.shape[0], weight.dtype)
 
 
 def _ngram_embedding_backward(ctx, grad):
-    input_ids, mult, sizes, offsets, qsl, context = ctx.saved_tensors
+    input_ids, mult, sizes, offsets, query_start_loc, context = ctx.saved_tensors
     P, eos, rows, dtype = ctx.meta
-    dw = _ngram_embedding_bwd_op(grad.contiguous(), input_ids, mult, sizes, offsets, P, eos, qsl, context, rows,
-                                 dtype)
+    dw = _ngram_embedding_bwd_op(grad.contiguous(), input_ids, mult, sizes, offsets, P, eos, query_start_loc,
+                                 context, rows, dtype)
     return (dw,) + (None,) * 10
 
 

@@ -3,10 +3,10 @@
 Same name, signature and semantics as ``ple.reference.prefill.ple_prefill`` (the composition of the
 reference gate and conv ops); ``conv_input`` and ``gated`` never go to memory.
 
-``_prefill_kernel``, grid ``(time tiles, M)``. A tile is ``TILE = BLOCK_R - S`` consecutive
+``_prefill_kernel``, grid ``(time tiles, M)``. A tile is ``BLOCK_T = ROWS - S`` consecutive
 positions of one request (found on the device by ``_numerics.tile_of``, as the conv kernels do;
 a program past its request's rows writes nothing), for one stream m (H channels). Its rows block is
-``BLOCK_R`` positions: the S before the tile (the halo) and the tile. Four loops over the H
+``ROWS`` positions: the S before the tile (the halo) and the tile. Four loops over the H
 channels in chunks of ``BLOCK_H``:
 
 1. ``sum(key^2)``, ``sum(hidden^2)`` per row -> the two RMS factors;
@@ -19,11 +19,11 @@ channels in chunks of ``BLOCK_H``:
    request's start reads the slot's old column (serving, ``has_initial_states``) or zero. Then
    ``y = round(silu(round(sum_j w_j u_j)))`` and ``out = round(round(gated + y) + hidden)``.
 
-Tiles: ``BLOCK_R = block_rows(S)`` (64 for S = 9: 55 outputs, 9 halo rows recomputed),
+Tiles: ``ROWS = rows_per_program(S)`` (64 for S = 9: 55 outputs, 9 halo rows recomputed),
 ``BLOCK_H = 32`` channels, 4 warps; the conv weights are passed transposed (``[K, C]``, one small
 copy per call) so each tap's channel slice is contiguous. DRAM traffic per token, roughly: key
 and hidden read in loop 1 and again in loop 2 (from L2 or DRAM: 64 rows of H exceed L1), value in loops 3 and 4, hidden
-once more and ``out`` written in loop 4; the halo adds S / TILE to the first three loops.
+once more and ``out`` written in loop 4; the halo adds S / BLOCK_T to the first three loops.
 
 Serving prefill: ``_prefill_state_kernel`` (grid ``(R, M)``), launched after, writes the slot's new
 columns ``[0, S)``: column i is ``hist[n + i]``, the conv input of position ``n + i - S``
@@ -70,9 +70,10 @@ __all__ = ["ple_prefill", "prefill_conv_inputs"]
 NUM_WARPS = 4           # the main kernel's warps (BLOCK_H, STATE_WARPS: ``_gate_math``, shared with prefill_inputs)
 
 
-def block_rows(S: int) -> int:
-    """Rows per program (halo + tile): a power of two with at least 32 rows past the S-row halo."""
-    return max(64, triton.next_power_of_2(S + 32))
+def rows_per_program(state_len: int) -> int:
+    """``ROWS``, the rows a program loads (the S-row halo + its ``BLOCK_T`` tile): a power of two with at least
+    32 rows past the halo."""
+    return max(64, triton.next_power_of_2(state_len + 32))
 
 
 @triton.jit
@@ -107,36 +108,36 @@ def _keep_of(keep_ptr, stride_keep_t, prow, mask, HAS_KEEP: tl.constexpr, IS_FP6
 @triton.jit(do_not_specialize=["R", "steps", "null_slot"])
 def _prefill_kernel(
     key_ptr, value_ptr, hid_ptr, wk_ptr, wq_ptr, wc_ptr, w_ptr, out_ptr,
-    state_ptr, slot_ptr, qsl_ptr, init_ptr, rows_ptr, keep_ptr,
+    state_ptr, slot_ptr, query_start_loc_ptr, init_ptr, rows_ptr, keep_ptr,
     H, R, steps, null_slot, eps_hi, eps_lo, sqrt_h,
     stride_key_t, stride_key_c, stride_value_t, stride_value_h, stride_hid_t, stride_hid_c,
     stride_wk_c, stride_wq_c, stride_wc_c, stride_w_c, stride_w_k, stride_out_t, stride_out_c,
     stride_state_n, stride_state_c, stride_state_w,
-    stride_slot_r, stride_qsl_r, stride_init_r, stride_rows_t, stride_keep_t,
+    stride_slot_r, stride_query_start_loc_r, stride_init_r, stride_rows_t, stride_keep_t,
     K: tl.constexpr, DILATION: tl.constexpr, SERVING: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     HAS_TOKEN_INDICES: tl.constexpr, HAS_KEEP: tl.constexpr,
     IS_BF16: tl.constexpr, IS_W_BF16: tl.constexpr, IS_STATE_BF16: tl.constexpr,
     IS_STATE_SAME_DTYPE: tl.constexpr, IS_FP64: tl.constexpr,
-    BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
-    """Outputs of one tile of ``BLOCK_R - S`` positions of one request, stream ``program_id(1)``."""
+    """Outputs of one tile of ``ROWS - S`` positions of one request, stream ``program_id(1)``."""
     S: tl.constexpr = (K - 1) * DILATION
-    TILE: tl.constexpr = BLOCK_R - S
+    BLOCK_T: tl.constexpr = ROWS - S
     XT = key_ptr.dtype.element_ty
     eps, root = scalars(H, eps_hi, eps_lo, sqrt_h, IS_FP64)
     m = tl.program_id(1).to(tl.int64)
-    r, t0 = tile_of(tl.program_id(0), qsl_ptr, stride_qsl_r, R, steps, TILE)
-    lo = tl.load(qsl_ptr + r * stride_qsl_r).to(tl.int64)
-    n = tl.load(qsl_ptr + (r + 1) * stride_qsl_r).to(tl.int64) - lo
+    r, t0 = tile_of(tl.program_id(0), query_start_loc_ptr, stride_query_start_loc_r, R, steps, BLOCK_T)
+    lo = tl.load(query_start_loc_ptr + r * stride_query_start_loc_r).to(tl.int64)
+    n = tl.load(query_start_loc_ptr + (r + 1) * stride_query_start_loc_r).to(tl.int64) - lo
 
-    i = tl.arange(0, BLOCK_R)
+    i = tl.arange(0, ROWS)
     p = t0 - S + i                                   # position in the request of each row of the block
     rmask = (p >= 0) & (p < n)                       # rows whose gate is needed (halo and tile)
     omask = (i >= S) & (p < n)                       # rows this program writes
     prow = _physical(rows_ptr, stride_rows_t, lo + p, rmask, HAS_TOKEN_INDICES)
     g, r_x = row_scalars(key_ptr, value_ptr, hid_ptr, wk_ptr, wq_ptr, prow, rmask, m, H,
                          stride_key_t, stride_key_c, stride_value_t, stride_value_h, stride_hid_t, stride_hid_c,
-                         stride_wk_c, stride_wq_c, eps, root, XT, IS_BF16, IS_FP64, BLOCK_R, BLOCK_H)
+                         stride_wk_c, stride_wq_c, eps, root, XT, IS_BF16, IS_FP64, ROWS, BLOCK_H)
     zt = p * 0
     if SERVING:
         slot = tl.load(slot_ptr + r * stride_slot_r).to(tl.int64)
@@ -151,7 +152,7 @@ def _prefill_kernel(
     for h0 in range(0, H, BLOCK_H):
         h = h0 + hh
         hm, c, wc1 = conv_norm_chunk(wc_ptr, stride_wc_c, m, H, h, IS_FP64)
-        acc = tl.zeros([BLOCK_R, BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
         if IS_FP64:
             acc = acc.to(tl.float64)
         x0 = acc
@@ -201,12 +202,12 @@ def _prefill_kernel(
 @triton.jit(do_not_specialize=["null_slot"])
 def _prefill_state_kernel(
     key_ptr, value_ptr, hid_ptr, wk_ptr, wq_ptr, wc_ptr,
-    state_ptr, slot_ptr, qsl_ptr, init_ptr, rows_ptr, keep_ptr,
+    state_ptr, slot_ptr, query_start_loc_ptr, init_ptr, rows_ptr, keep_ptr,
     H, null_slot, eps_hi, eps_lo, sqrt_h,
     stride_key_t, stride_key_c, stride_value_t, stride_value_h, stride_hid_t, stride_hid_c,
     stride_wk_c, stride_wq_c, stride_wc_c,
     stride_state_n, stride_state_c, stride_state_w,
-    stride_slot_r, stride_qsl_r, stride_init_r, stride_rows_t, stride_keep_t,
+    stride_slot_r, stride_query_start_loc_r, stride_init_r, stride_rows_t, stride_keep_t,
     K: tl.constexpr, DILATION: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     HAS_TOKEN_INDICES: tl.constexpr, HAS_KEEP: tl.constexpr,
     IS_BF16: tl.constexpr, IS_STATE_BF16: tl.constexpr, IS_STATE_SAME_DTYPE: tl.constexpr, IS_FP64: tl.constexpr,
@@ -219,8 +220,8 @@ def _prefill_state_kernel(
     eps, root = scalars(H, eps_hi, eps_lo, sqrt_h, IS_FP64)
     r = tl.program_id(0).to(tl.int64)
     m = tl.program_id(1).to(tl.int64)
-    lo = tl.load(qsl_ptr + r * stride_qsl_r).to(tl.int64)
-    n = tl.load(qsl_ptr + (r + 1) * stride_qsl_r).to(tl.int64) - lo
+    lo = tl.load(query_start_loc_ptr + r * stride_query_start_loc_r).to(tl.int64)
+    n = tl.load(query_start_loc_ptr + (r + 1) * stride_query_start_loc_r).to(tl.int64) - lo
     slot = tl.load(slot_ptr + r * stride_slot_r).to(tl.int64)
     i = tl.arange(0, BLOCK_S)                        # new column i = hist[n + i]
     zi = i * 0
@@ -297,25 +298,25 @@ def _prefill_fwd(key, value, hidden_states, wk, wq, wc, eps, conv_weights, dilat
     serving = conv_state is not None
     placeholder = query_start_loc
     common = _common(key, value, hidden_states, wk, wq, wc, eps, keep, token_indices, placeholder)
-    state = conv_state if serving else key.unsqueeze(2)       # placeholder: never read
-    slots = state_indices if serving else placeholder
+    conv_state = conv_state if serving else key.unsqueeze(2)            # placeholder: never read
+    state_indices = state_indices if serving else placeholder
     init = has_initial_states if has_initial_states is not None else placeholder
     if init.dtype == torch.bool:
         init = init.view(torch.uint8)
     index_args = dict(
-        state_ptr=state, slot_ptr=slots, qsl_ptr=query_start_loc, init_ptr=init, null_slot=null_slot,
-        stride_state_n=state.stride(0), stride_state_c=state.stride(1), stride_state_w=state.stride(2),
-        stride_slot_r=slots.stride(0), stride_qsl_r=query_start_loc.stride(0), stride_init_r=init.stride(0),
+        state_ptr=conv_state, slot_ptr=state_indices, query_start_loc_ptr=query_start_loc, init_ptr=init,
+        null_slot=null_slot, stride_state_n=conv_state.stride(0), stride_state_c=conv_state.stride(1),
+        stride_state_w=conv_state.stride(2), stride_slot_r=state_indices.stride(0),
+        stride_query_start_loc_r=query_start_loc.stride(0), stride_init_r=init.stride(0),
         K=K, DILATION=dilation, HAS_INIT_FLAGS=has_initial_states is not None,
-        IS_STATE_BF16=state.dtype == torch.bfloat16, IS_STATE_SAME_DTYPE=state.dtype == key.dtype)
-    br = block_rows(S)
-    tile = br - S
-    grid0 = _numerics.tile_grid(num_rows, R, tile)
+        IS_STATE_BF16=conv_state.dtype == torch.bfloat16, IS_STATE_SAME_DTYPE=conv_state.dtype == key.dtype)
+    loaded = rows_per_program(S)                                        # ROWS: halo + tile
+    grid0 = _numerics.tile_grid(num_rows, R, loaded - S)                # tiles of BLOCK_T = ROWS - S positions
     wt = conv_weights.t().contiguous()              # [K, C]: the taps' channel rows contiguous
     _prefill_kernel[(grid0, M)](
         w_ptr=wt, out_ptr=out, R=R, steps=_numerics.search_steps(R), stride_w_c=wt.stride(1), stride_w_k=wt.stride(0),
         stride_out_t=out.stride(0), stride_out_c=out.stride(1), SERVING=serving,
-        IS_W_BF16=conv_weights.dtype == torch.bfloat16, BLOCK_R=br, **index_args, **common)
+        IS_W_BF16=conv_weights.dtype == torch.bfloat16, ROWS=loaded, **index_args, **common)
     if serving and S > 0:
         # Launched after every output is computed: the outputs above read only old states.
         _prefill_state_kernel[(R, M)](
@@ -383,14 +384,14 @@ _bwd_op = register("ple_prefill_backward", _bwd_impl, fake=_bwd_fake)
 
 
 def _setup(ctx, inputs, output):
-    key, value, hidden, wk, wq, wc, eps, conv_weights, dilation, qsl, keep, _ = inputs
-    ctx.save_for_backward(key, value, hidden, wk, wq, wc, conv_weights, qsl, keep)
+    key, value, hidden, wk, wq, wc, eps, conv_weights, dilation, query_start_loc, keep, _ = inputs
+    ctx.save_for_backward(key, value, hidden, wk, wq, wc, conv_weights, query_start_loc, keep)
     ctx.eps, ctx.dilation = eps, dilation
 
 
 def _backward(ctx, dout):
-    key, value, hidden, wk, wq, wc, conv_weights, qsl, keep = ctx.saved_tensors
-    grads = _bwd_op(dout, key, value, hidden, wk, wq, wc, ctx.eps, conv_weights, ctx.dilation, qsl, keep)
+    key, value, hidden, wk, wq, wc, conv_weights, query_start_loc, keep = ctx.saved_tensors
+    grads = _bwd_op(dout, key, value, hidden, wk, wq, wc, ctx.eps, conv_weights, ctx.dilation, query_start_loc, keep)
     return (*grads[:6], None, grads[6], None, None, None, None)
 
 

@@ -1,4 +1,4 @@
-"""Triton kernels for the dilated causal convolution over whole sequences, for training (SPEC section 5).
+"""Triton kernels for the dilated causal convolution over whole sequences, for training (docs/spec.md section 5).
 
 Same name, signature and numbers as ``ple.reference.training_conv.dilated_causal_conv``.
 
@@ -46,7 +46,7 @@ the cost of one compile per such stride class.
 
 Registered as ``torch.ops.ple.dilated_causal_conv`` (autograd:
 ``ple.dilated_causal_conv_backward``): the public function checks the metadata
-(``ple._checks.dense_conv_meta``), the op the values of ``cu_seqlens`` at run time unless
+(``ple._checks.dilated_causal_conv_meta``), the op the values of ``cu_seqlens`` at run time unless
 ``validate=False`` (then no device-to-host synchronisation at all, forward or backward).
 """
 
@@ -66,10 +66,10 @@ __all__ = ["dilated_causal_conv"]
 
 
 @triton.jit
-def _find_tile(pid, cu_ptr, stride_cu_r, R, SPAN: tl.constexpr, SCAN: tl.constexpr):
+def _find_tile(pid, cu_seqlens_ptr, stride_cu_seqlens_r, R, SPAN: tl.constexpr, SCAN: tl.constexpr):
     """(first row, length, first position) of the sequence tile of program ``pid`` (int64), the tiling of
     `_numerics.tile_grid` with ``SPAN`` positions per tile: the sequence is the last r in ``[0, R)`` with
-    ``cu[r] // SPAN + r <= pid``. Found by a scan over ``cu_seqlens``, ``SCAN`` offsets per step (one
+    ``cu_seqlens[r] // SPAN + r <= pid``. Found by a scan over ``cu_seqlens``, ``SCAN`` offsets per step (one
     wide load each; a sequence's id needs no search, its first and next offsets fall out of the same
     scan), in ``ceil((R + 1) / SCAN)`` steps. The first position may lie past the sequence: then the
     program owns no rows."""
@@ -79,7 +79,7 @@ def _find_tile(pid, cu_ptr, stride_cu_r, R, SPAN: tl.constexpr, SCAN: tl.constex
     for step in range(0, tl.cdiv(R + 1, SCAN)):
         r = (step * SCAN + tl.arange(0, SCAN)).to(tl.int64)
         inside = r <= R
-        off = tl.load(cu_ptr + r * stride_cu_r, mask=inside, other=0).to(tl.int64)
+        off = tl.load(cu_seqlens_ptr + r * stride_cu_seqlens_r, mask=inside, other=0).to(tl.int64)
         before = (r < R) & (off // SPAN + r <= pid)              # sequences up to this program's
         # float64 holds every offset exactly (< 2**53); its reductions need no integer warp reduction
         seq = tl.maximum(seq, tl.max(tl.where(before, r.to(tl.float64), -1.0), 0).to(tl.int64))
@@ -89,7 +89,7 @@ def _find_tile(pid, cu_ptr, stride_cu_r, R, SPAN: tl.constexpr, SCAN: tl.constex
 
 
 @triton.jit
-def _tile(cu_ptr, stride_cu_r, L, tiles_per_seq, C, IS_VARLEN: tl.constexpr, SPAN: tl.constexpr,
+def _tile(cu_seqlens_ptr, stride_cu_seqlens_r, L, tiles_per_seq, C, IS_VARLEN: tl.constexpr, SPAN: tl.constexpr,
           SCAN: tl.constexpr, BLOCK_C: tl.constexpr):
     """This program's tile: (first row of its sequence, batch index, length, first owned position,
     channels, channel mask); the program owns the ``SPAN`` positions from the first.
@@ -98,7 +98,7 @@ def _tile(cu_ptr, stride_cu_r, L, tiles_per_seq, C, IS_VARLEN: tl.constexpr, SPA
     """
     pid64 = tl.program_id(0).to(tl.int64)
     if IS_VARLEN:
-        lo, n, t0 = _find_tile(pid64, cu_ptr, stride_cu_r, L, SPAN, SCAN)
+        lo, n, t0 = _find_tile(pid64, cu_seqlens_ptr, stride_cu_seqlens_r, L, SPAN, SCAN)
         b = pid64 * 0
     else:
         b = pid64 // tiles_per_seq
@@ -165,8 +165,8 @@ def _chunk_sums(v, i, HALO: tl.constexpr, CHUNK: tl.constexpr, LOG2_CHUNK: tl.co
 
 @triton.jit(do_not_specialize=["L", "tiles_per_seq"])
 def _dcc_fwd_kernel(
-    x_ptr, w_ptr, y_ptr, cu_ptr,
-    L, tiles_per_seq, C, stride_cu_r,
+    x_ptr, w_ptr, y_ptr, cu_seqlens_ptr,
+    L, tiles_per_seq, C, stride_cu_seqlens_r,
     stride_x_b, stride_x_t, stride_x_c, stride_y_b, stride_y_t, stride_y_c, stride_w_c, stride_w_k,
     K: tl.constexpr, KP: tl.constexpr, DILATION: tl.constexpr, IS_VARLEN: tl.constexpr,
     IS_X_BF16: tl.constexpr, IS_W_BF16: tl.constexpr, IS_FP64: tl.constexpr,
@@ -177,7 +177,8 @@ def _dcc_fwd_kernel(
     once; the taps are gathered from registers."""
     XT = x_ptr.dtype.element_ty
     S = (K - 1) * DILATION
-    lo, b, n, t0, c0, _ = _tile(cu_ptr, stride_cu_r, L, tiles_per_seq, C, IS_VARLEN, BLOCK_T, SCAN, BLOCK_C)
+    lo, b, n, t0, c0, _ = _tile(cu_seqlens_ptr, stride_cu_seqlens_r, L, tiles_per_seq, C, IS_VARLEN, BLOCK_T, SCAN,
+                                BLOCK_C)
     i = tl.arange(0, ROWS)
     q = t0 - S + i
     rows = ((q >= 0) & (q < n))[:, None]
@@ -195,8 +196,8 @@ def _dcc_fwd_kernel(
 
 @triton.jit(do_not_specialize=["L", "tiles_per_seq"])
 def _dcc_bwd_kernel(
-    x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, cu_ptr,
-    L, tiles_per_seq, C, stride_cu_r,
+    x_ptr, w_ptr, dy_ptr, dx_ptr, dw_ptr, cu_seqlens_ptr,
+    L, tiles_per_seq, C, stride_cu_seqlens_r,
     stride_x_b, stride_x_t, stride_x_c, stride_dy_b, stride_dy_t, stride_dy_c,
     stride_dx_b, stride_dx_t, stride_dx_c, stride_w_c, stride_w_k,
     K: tl.constexpr, KP: tl.constexpr, DILATION: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -217,8 +218,8 @@ def _dcc_bwd_kernel(
     """
     XT = x_ptr.dtype.element_ty
     S = (K - 1) * DILATION
-    lo, b, n, t0_first, c, cmask = _tile(cu_ptr, stride_cu_r, L, tiles_per_seq, C, IS_VARLEN, TILES * BLOCK_T,
-                                          SCAN, BLOCK_C)
+    lo, b, n, t0_first, c, cmask = _tile(cu_seqlens_ptr, stride_cu_seqlens_r, L, tiles_per_seq, C, IS_VARLEN,
+                                          TILES * BLOCK_T, SCAN, BLOCK_C)
     wall = _taps(w_ptr, c, cmask, stride_w_c, stride_w_k, K, KP, IS_W_BF16, IS_FP64)
     i = tl.arange(0, ROWS)
     kk = tl.arange(0, KP)
@@ -329,12 +330,14 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, dilation: int, cu_seqlens, ro
         grid = (B * per_seq, triton.cdiv(C, bc * sub))
     if grid[0] == 0 or grid[1] == 0:
         return None, None
-    cu = cu_seqlens if cu_seqlens is not None else x.view(-1)   # placeholder: never read
+    is_varlen = cu_seqlens is not None
+    if cu_seqlens is None:                                      # placeholder: never read
+        cu_seqlens = x.view(-1)
     wt = weight.t().contiguous()        # [K, C]: a tap's weights are contiguous (wide loads), C*K elements
     return grid, dict(
-        w_ptr=wt, cu_ptr=cu, L=L, tiles_per_seq=per_seq, C=C, stride_cu_r=cu.stride(0),
+        w_ptr=wt, cu_seqlens_ptr=cu_seqlens, L=L, tiles_per_seq=per_seq, C=C, stride_cu_seqlens_r=cu_seqlens.stride(0),
         stride_w_c=wt.stride(1), stride_w_k=wt.stride(0), K=K, KP=triton.next_power_of_2(K), DILATION=dilation,
-        IS_VARLEN=cu_seqlens is not None, IS_X_BF16=x.dtype == torch.bfloat16,
+        IS_VARLEN=is_varlen, IS_X_BF16=x.dtype == torch.bfloat16,
         IS_W_BF16=weight.dtype == torch.bfloat16, IS_FP64=is_fp64(x.dtype), BLOCK_T=owned, ROWS=rows,
         SCAN=32 * warps, BLOCK_C=bc, num_warps=warps)
 
@@ -401,7 +404,7 @@ _bwd_op = register("dilated_causal_conv_backward", _bwd_impl, fake=_bwd_fake)
 def _fwd_impl(x: torch.Tensor, weight: torch.Tensor, dilation: int, cu_seqlens: torch.Tensor | None,
               validate: bool) -> torch.Tensor:
     if validate:
-        _checks.dense_conv_values(x, weight, dilation, cu_seqlens)
+        _checks.dilated_causal_conv_values(x, weight, dilation, cu_seqlens)
     return _fwd(x, weight, dilation, cu_seqlens)
 
 
@@ -427,5 +430,5 @@ _op = register("dilated_causal_conv", _fwd_impl, fake=_fwd_fake, backward=_backw
 @twin(_reference.dilated_causal_conv)
 def dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: int,
                         cu_seqlens: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
-    _checks.dense_conv_meta(x, weight, dilation, cu_seqlens)
+    _checks.dilated_causal_conv_meta(x, weight, dilation, cu_seqlens)
     return _op(x, weight, dilation, cu_seqlens, bool(validate))

@@ -1,4 +1,4 @@
-"""``python -m ple check MODULE[:ATTR]``: run the kit (SPEC section 10) on an object of ops, one line per op.
+"""``python -m ple check MODULE[:ATTR]``: run the kit (docs/spec.md section 10) on an object of ops, one line per op.
 
 The object is imported (``MODULE`` is a dotted module name importable from the current directory,
 or a path to a ``.py`` file; ``ATTR`` a dotted attribute of it: a namespace, a class instance, ...).

@@ -33,20 +33,20 @@ def build(kernel, ptrs, consts, floats=(), num_warps=4, aligned=(), attrs=None):
 step = dict(K=4, DILATION=3, HAS_TOKEN_INDICES=True, IS_X_BF16=True, IS_STATE_BF16=False,
             IS_STATE_SAME_DTYPE=False, HAS_INIT_FLAGS=True)
 ptrs = dict(x_ptr="*bf16", res_ptr="*bf16", outer_ptr="*bf16", state_ptr="*fp32", w_ptr="*bf16",
-            slot_ptr="*i64", qsl_ptr="*i32", init_ptr="*u8", nat_ptr="*i32", rows_ptr="*i64")
+            slot_ptr="*i64", query_start_loc_ptr="*i32", init_ptr="*u8", nat_ptr="*i32", rows_ptr="*i64")
 outputs = dict(HAS_OUTER_RESIDUAL=True, IS_W_BF16=True, IS_FP64=False)
 build(F._step_out_kernel, ptrs, dict(step, **outputs, BLOCK_T=32, BLOCK_C=128))
 build(F._step_state_kernel, ptrs, dict(step, BLOCK_C=128))
 for mode, q in ((D.DECODE.value, 1), (D.SPEC.value, 4)):
     build(D._step_fused_kernel, ptrs, dict(step, **outputs, MODE=mode, Q=q, BLOCK_C=128),
           num_warps=D.FUSED_WARPS)
-build(F._export_kernel, dict(x_ptr="*bf16", state_ptr="*fp32", qsl_ptr="*i32", off_ptr="*i64",
+build(F._export_kernel, dict(x_ptr="*bf16", state_ptr="*fp32", query_start_loc_ptr="*i32", off_ptr="*i64",
                              slots_ptr="*i32", rows_ptr="*i32"),
       dict(HAS_TOKEN_INDICES=True, IS_X_BF16=True, IS_STATE_BF16=False, IS_STATE_SAME_DTYPE=False, BLOCK_C=128))
 for dt, acc, varlen in (("*bf16", "*fp32", True), ("*fp64", "*fp64", False)):
     flags = dict(K=4, KP=4, DILATION=3, IS_VARLEN=varlen, IS_X_BF16=dt == "*bf16", IS_W_BF16=False,
                  IS_FP64=dt == "*fp64", BLOCK_T=46, ROWS=64, SCAN=128, BLOCK_C=32)
-    p = dict(x_ptr=dt, w_ptr="*fp32", y_ptr=dt, dy_ptr=dt, dx_ptr=dt, dw_ptr=acc, cu_ptr="*i32", part_ptr=acc,
+    p = dict(x_ptr=dt, w_ptr="*fp32", y_ptr=dt, dy_ptr=dt, dx_ptr=dt, dw_ptr=acc, cu_seqlens_ptr="*i32", part_ptr=acc,
              out_ptr=acc)
     build(TC._dcc_fwd_kernel, p, dict(flags, BLOCK_T=55, SUB=2))
     for det in (False, True):
@@ -67,8 +67,8 @@ build(G._gate_bwd_kernel, gate_ptrs(G._gate_bwd_kernel), dict(gate_io, TOK=16, C
 build(G._gate_wsum_kernel, gate_ptrs(G._gate_wsum_kernel),
       dict(IS_FP64=False, WK_BF16=True, WK_FP16=False, WQ_BF16=True, WQ_FP16=False, WC_BF16=True, WC_FP16=False,
            BLOCK=1024))
-build(H._ngram_kernel, dict(ids_ptr="*i32", qsl_ptr="*i32", ctx_ptr="*i64", mult_ptr="*i64", sizes_ptr="*i64",
-                            offsets_ptr="*i64", out_ptr="*i64", w_ptr="*bf16", emb_ptr="*bf16"),
+build(H._ngram_kernel, dict(ids_ptr="*i32", query_start_loc_ptr="*i32", ctx_ptr="*i64", mult_ptr="*i64",
+                            sizes_ptr="*i64", offsets_ptr="*i64", out_ptr="*i64", w_ptr="*bf16", emb_ptr="*bf16"),
       dict(N=3, P=8, IS_VARLEN=True, HAS_CONTEXT=True, HAS_IDS_OUT=True, HAS_TABLE=True, BLOCK_T=64, BLOCK_D=128))
 build(E._lookup_fwd_kernel, dict(w_ptr="*bf16", ids_ptr="*i64", out_ptr="*bf16"), dict(BLOCK_T=32, BLOCK_D=128))
 build(E._lookup_bwd_kernel, dict(g_ptr="*bf16", ids_ptr="*i64", dw_ptr="*fp32"),
@@ -87,7 +87,7 @@ cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
 def fused_sass(layout, sdt, mode, q):
     unit = "stride_state_c" if layout == "channels_last" else "stride_state_w"
     ones = dict.fromkeys(("stride_x_c", "stride_res_c", "stride_outer_c", "stride_w_k", "stride_slot_r",
-                          "stride_qsl_r", "stride_init_r", "stride_nat_r", "stride_rows_t", unit), 1)
+                          "stride_query_start_loc_r", "stride_init_r", "stride_nat_r", "stride_rows_t", unit), 1)
     consts = dict(step, **outputs, **ones, MODE=mode, Q=q, IS_STATE_BF16=sdt == "bf16",
                   IS_STATE_SAME_DTYPE=sdt == "bf16", HAS_INIT_FLAGS=mode == D.DECODE.value, BLOCK_C=D.FUSED_BLOCK_C)
     aligned = ("C", "stride_x_t", "stride_res_t", "stride_outer_t", "stride_state_n", "stride_state_c",
@@ -114,6 +114,7 @@ except (OSError, subprocess.CalledProcessError) as e:
 '''
 
 
+@pytest.mark.deep       # ~3 min with an empty Triton cache; the quick tier compiles the codegen smoke subset for sm_90
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the other tests compile the kernels")
 def test_kernels_compile_for_sm90():
     """Ahead-of-time compile every kernel to a Hopper cubin (no GPU needed): code the interpreter runs

@@ -80,15 +80,15 @@ def _check_against_reference(case):
     t = build_conv(case)
     res_ref, res_fast = t["residual"].clone(), t["residual"].clone()
     (st_ref, buf_ref), (st_fast, buf_fast) = clone_state(t), clone_state(t)
-    run_conv(ref.ple_conv, t, case, residual=res_ref, state=st_ref)
-    run_conv(fast.ple_conv, t, case, residual=res_fast, state=st_fast)
+    run_conv(ref.ple_conv, t, case, residual=res_ref, conv_state=st_ref)
+    run_conv(fast.ple_conv, t, case, residual=res_fast, conv_state=st_fast)
 
     rows = t["rows"]
     exact = None
     if case["dtype"] == torch.bfloat16:                      # the float64 run judges bfloat16
         res64 = to64(t["residual"])
         st64 = to64(t["state"])
-        run_conv(ref.ple_conv, t, case, residual=res64, state=st64, inputs=to64(t["inputs"]),
+        run_conv(ref.ple_conv, t, case, residual=res64, conv_state=st64, inputs=to64(t["inputs"]),
                  weights=to64(t["weights"]), outer=to64(t["outer"]))
         exact = res64[rows]
     assert_close(res_fast[rows], res_ref[rows], exact64=exact, name="residual")
@@ -152,14 +152,14 @@ def test_ple_conv_mixed_batch(C, K, d, spec_len, spec_lens, n_dec, pre_lens, dty
     T = n_spec + n_dec + n_pre
     R_s, R_p = len(spec_lens), len(pre_lens)
     num_slots = 1 + R_s + n_dec + R_p
-    slots = (torch.randperm(num_slots - 1, generator=g) + 1).tolist()
+    state_indices_list = (torch.randperm(num_slots - 1, generator=g) + 1).tolist()
     logical = randn((T, C), dtype, g)                      # rows in logical order: spec, decode, prefill
     res0 = randn((T, C), dtype, g)
     outer0 = randn((T, C), dtype, g)
     state0 = randn((num_slots, S + spec_len - 1, C), dtype, g).transpose(1, 2)
     w = randn((C, K), dtype, g)
-    qsl_s = torch.tensor([0] + torch.tensor(spec_lens).cumsum(0).tolist())
-    qsl_p = torch.tensor([0] + torch.tensor(pre_lens).cumsum(0).tolist())
+    query_start_loc_spec = torch.tensor([0] + torch.tensor(spec_lens).cumsum(0).tolist())
+    query_start_loc_prefill = torch.tensor([0] + torch.tensor(pre_lens).cumsum(0).tolist())
     nat = torch.randint(1, spec_len + 1, (R_s,), generator=g)
     init_d = torch.rand(n_dec, generator=g) < 0.7
     init_p = torch.rand(R_p, generator=g) < 0.5
@@ -175,13 +175,15 @@ def test_ple_conv_mixed_batch(C, K, d, spec_len, spec_lens, n_dec, pre_lens, dty
         outer[phys] = outer0
         state = state0.clone()
         non_spec = torch.cat([ti_d, ti_p])
-        op(x, res, state, w, torch.tensor(slots[:R_s]), mode="spec", dilation=d, query_start_loc=qsl_s,
-           num_accepted_tokens=nat, spec_query_len=spec_len, token_indices=ti_s, outer_residual=outer)
+        op(x, res, state, w, torch.tensor(state_indices_list[:R_s]), mode="spec", dilation=d,
+           query_start_loc=query_start_loc_spec, num_accepted_tokens=nat, spec_query_len=spec_len, token_indices=ti_s,
+           outer_residual=outer)
         ti_d2, ti_p2 = torch.split(non_spec, [n_dec, n_pre])
-        op(x, res, state, w, torch.tensor(slots[R_s:R_s + n_dec]), mode="decode", dilation=d,
+        op(x, res, state, w, torch.tensor(state_indices_list[R_s:R_s + n_dec]), mode="decode", dilation=d,
            has_initial_states=init_d, token_indices=ti_d2, outer_residual=outer)
-        op(x, res, state, w, torch.tensor(slots[R_s + n_dec:]), mode="prefill", dilation=d,
-           query_start_loc=qsl_p, has_initial_states=init_p, token_indices=ti_p2, outer_residual=outer)
+        op(x, res, state, w, torch.tensor(state_indices_list[R_s + n_dec:]), mode="prefill", dilation=d,
+           query_start_loc=query_start_loc_prefill, has_initial_states=init_p, token_indices=ti_p2,
+           outer_residual=outer)
         return res[phys], state
 
     layout_a = _mixed_layout(n_spec, n_dec, n_pre, g)
@@ -215,9 +217,9 @@ def test_export_checkpoints_matches_reference(C, S, lens, dtype, state_dtype, la
                 token_indices=token_indices, null_at_end=null_at_end, choice=choice, seed=seed)
     note(case)
     t = build_export(case)
-    kw = dict(query_start_loc=torch.tensor(t["starts"], dtype=torch.int64),
+    kw = dict(query_start_loc=torch.tensor(t["query_start_loc_list"], dtype=torch.int64),
               offsets=torch.tensor(t["offsets"], dtype=torch.int32),
-              slots=torch.tensor(t["slot_list"], dtype=torch.int64), state_len=S, token_indices=t["rows"],
+              slots=torch.tensor(t["slots_list"], dtype=torch.int64), state_len=S, token_indices=t["rows"],
               null_slot=t["null_slot"])
     (view_ref, buf_ref), (view_fast, buf_fast) = clone_state(t), clone_state(t)
     ref.export_conv_checkpoints(t["x"], view_ref, **kw)
@@ -243,11 +245,11 @@ def test_checkpoint_restore_continues_bit_for_bit(C, K, d, extra, rest, dtype, s
     res0 = randn((L, C), dtype, g)
     w = randn((C, K), dtype, g)
     state = randn((3, S + 1, C), dtype, g).transpose(1, 2)
-    qsl = torch.tensor([0, L])
+    query_start_loc = torch.tensor([0, L])
     full = res0.clone()
-    fast.ple_conv(x, full, state, w, torch.tensor([1]), mode="prefill", dilation=d, query_start_loc=qsl)
+    fast.ple_conv(x, full, state, w, torch.tensor([1]), mode="prefill", dilation=d, query_start_loc=query_start_loc)
     if S > 0:
-        fast.export_conv_checkpoints(x, state, query_start_loc=qsl, offsets=torch.tensor([off]),
+        fast.export_conv_checkpoints(x, state, query_start_loc=query_start_loc, offsets=torch.tensor([off]),
                                      slots=torch.tensor([2]), state_len=S)
     resumed = res0[off:].clone()
     fast.ple_conv(x[off:], resumed, state, w, torch.tensor([2]), mode="prefill", dilation=d,

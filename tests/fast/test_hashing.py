@@ -56,11 +56,11 @@ def hash_cases(draw):
         seed=draw(st.integers(0, 2**32)), eos_token_id=eos, ple_layer_ids=(1, 2, 3),
     )
     layer = draw(st.integers(0, 2))
-    ids_dtype, qsl_dtype, ctx_dtype = (draw(st.sampled_from(INDEX_DTYPES)) for _ in range(3))
+    ids_dtype, query_start_loc_dtype, ctx_dtype = (draw(st.sampled_from(INDEX_DTYPES)) for _ in range(3))
     strided = draw(st.booleans())
-    starts = [0]
+    query_start_loc_list = [0]
     for n in lens:
-        starts.append(starts[-1] + n)
+        query_start_loc_list.append(query_start_loc_list[-1] + n)
     input_ids = torch.tensor(tokens, dtype=ids_dtype)
     if strided:                                           # a stride-2 view of a larger buffer
         buf = torch.full((2 * len(tokens),), V + 5, dtype=ids_dtype)
@@ -68,13 +68,14 @@ def hash_cases(draw):
         input_ids = buf[::2]
     kwargs = dict(heads_per_ngram=P, eos_token_id=eos)
     if varlen:                                            # strided: every other entry of a larger buffer
-        qsl = torch.tensor(starts, dtype=qsl_dtype)
-        kwargs["query_start_loc"] = torch.stack([qsl, qsl + 1000], 1)[:, 0] if strided else qsl
+        query_start_loc = torch.tensor(query_start_loc_list, dtype=query_start_loc_dtype)
+        kwargs["query_start_loc"] = (torch.stack([query_start_loc, query_start_loc + 1000], 1)[:, 0] if strided
+                                     else query_start_loc)
     if ctx is not None:
         context = torch.tensor(ctx, dtype=ctx_dtype).reshape(R, N - 1)
         kwargs["ngram_context"] = torch.cat([context, context], 1)[:, ::2] if strided else context
     note(f"N={N} P={P} V={V} eos={eos} lens={lens} tokens={tokens} ctx={ctx} layer={layer} "
-         f"dtypes={ids_dtype, qsl_dtype, ctx_dtype} strided={strided}")
+         f"dtypes={ids_dtype, query_start_loc_dtype, ctx_dtype} strided={strided}")
     return ref.hash_params(config, layer), input_ids, kwargs
 
 
@@ -92,14 +93,15 @@ def test_ngram_ids_read_index_tensors_through_their_strides(dtype):
     params, kw = tiny_hash_setup()
     tokens = torch.tensor([5, 1, 7, 7, 3, 0, 2, 9, 4, 1, 8, 6], dtype=dtype)
     strided_tokens = torch.stack([tokens, tokens + 500], 1)[:, 0]                 # stride 2
-    qsl = torch.tensor([0, 50, 2, 60, 2, 70, 7, 80, 12, 90], dtype=dtype)[::2]     # [0, 2, 2, 7, 12], stride 2
+    # [0, 2, 2, 7, 12], stride 2
+    query_start_loc = torch.tensor([0, 50, 2, 60, 2, 70, 7, 80, 12, 90], dtype=dtype)[::2]
     ctx = torch.arange(24, dtype=dtype).reshape(4, 6)[:, 1:5:2] % 10                # [4, 2], strides (6, 2)
     table = torch.randn(params.num_rows, 2, generator=_gen(0))
     for k in ({}, dict(ngram_context=ctx)):
-        want = ref.ngram_ids(tokens, params, query_start_loc=qsl.contiguous(), **kw,
+        want = ref.ngram_ids(tokens, params, query_start_loc=query_start_loc.contiguous(), **kw,
                              **{n: v.contiguous() for n, v in k.items()})
-        assert torch.equal(fast_ngram_ids(strided_tokens, params, query_start_loc=qsl, **kw, **k), want)
-        emb = ngram_embedding(table, strided_tokens, params, query_start_loc=qsl, **kw, **k)
+        assert torch.equal(fast_ngram_ids(strided_tokens, params, query_start_loc=query_start_loc, **kw, **k), want)
+        emb = ngram_embedding(table, strided_tokens, params, query_start_loc=query_start_loc, **kw, **k)
         assert torch.equal(emb, ref.embedding_lookup(table, want))
 
 
@@ -115,7 +117,7 @@ def test_ngram_ids_no_requests():
 
 
 def test_ngram_ids_spec_example():
-    """SPEC section 3's example: eos 99, tokens [4, 5, 99, 6], N 3 (windows checked via the reference)."""
+    """docs/spec.md section 3's example: eos 99, tokens [4, 5, 99, 6], N 3 (windows checked via the reference)."""
     config = PLEConfig(vocab_size=100, hidden_size=1, hc_count=1, ple_embed_dim=4, ngram_size=3,
                        heads_per_ngram=2, ngram_vocab_size_base=100, eos_token_id=99)
     params = ref.hash_params(config, 0)

@@ -53,8 +53,8 @@ def _conv_case(mode, dtype=torch.float32, layout="wc"):
     num_slots = R + 2
     state = torch.randn((num_slots, W, C) if layout == "wc" else (num_slots, C, W), generator=g).to(dtype)
     state = state.transpose(1, 2) if layout == "wc" else state
-    slots = torch.randperm(num_slots - 1, generator=g)[:R] + 1
-    slots[R // 2] = 0                                           # one request on the null slot
+    state_indices = torch.randperm(num_slots - 1, generator=g)[:R] + 1
+    state_indices[R // 2] = 0                                           # one request on the null slot
     kw = dict(mode=mode, dilation=D, token_indices=rows, null_slot=0,
               query_start_loc=torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32),
               outer_residual=torch.randn(T, C, generator=g).to(dtype))
@@ -63,20 +63,20 @@ def _conv_case(mode, dtype=torch.float32, layout="wc"):
     else:
         kw.update(has_initial_states=torch.rand(R, generator=g) < 0.6)
     args = (torch.randn(T, C, generator=g).to(dtype), torch.randn(T, C, generator=g).to(dtype), state,
-            torch.randn(C, K, generator=g).to(dtype), slots)
+            torch.randn(C, K, generator=g).to(dtype), state_indices)
     return args, kw
 
 
 @pytest.mark.parametrize("mode", ["prefill", "decode", "spec"])
 @pytest.mark.parametrize("dtype,layout", [(torch.float32, "wc"), (torch.bfloat16, "cw")])
 def test_ple_conv_unchecked(mode, dtype, layout):
-    (x, res, state, w, slots), kw = _conv_case(mode, dtype, layout)
+    (x, res, state, w, state_indices), kw = _conv_case(mode, dtype, layout)
     res_a, res_b = res.clone(), res.clone()
     st_a, st_b = state.clone(), state.clone()
     with count_host_conversions() as checked:
-        fast.ple_conv(x, res_a, st_a, w, slots, **kw)
+        fast.ple_conv(x, res_a, st_a, w, state_indices, **kw)
     assert checked.count > 0, "the validated call reads its index values: the counter must see it"
-    _unchecked(lambda: fast.ple_conv(x, res_b, st_b, w, slots, **kw, validate=False))
+    _unchecked(lambda: fast.ple_conv(x, res_b, st_b, w, state_indices, **kw, validate=False))
     assert_bitwise_equal(res_b, res_a, name="residual")
     assert_bitwise_equal(st_b, st_a, name="conv_state")
     assert not torch.equal(res_a, res), "the call changed nothing: the test would prove nothing"
@@ -104,15 +104,15 @@ def test_training_conv_unchecked_forward_and_backward(packed):
     if packed:
         lens = [0, 45, 3, 0, 64, 1]
         x = torch.randn(sum(lens), C, generator=g, dtype=torch.float64)
-        cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+        cu_seqlens = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
     else:
-        x, cu = torch.randn(2, 40, C, generator=g, dtype=torch.float64), None
+        x, cu_seqlens = torch.randn(2, 40, C, generator=g, dtype=torch.float64), None
     w = torch.randn(C, K, generator=g, dtype=torch.float64)
     dy = torch.randn(x.shape, generator=g, dtype=torch.float64)
 
     def run(validate):
         xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = fast.dilated_causal_conv(xa, wa, dilation=D, cu_seqlens=cu, validate=validate)
+        y = fast.dilated_causal_conv(xa, wa, dilation=D, cu_seqlens=cu_seqlens, validate=validate)
         y.backward(dy)
         return y.detach(), xa.grad, wa.grad
 

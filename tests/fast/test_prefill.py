@@ -12,14 +12,16 @@ Fresh buffers are poisoned with NaN (``poisoned_empty``), so an element never wr
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from _tier import examples
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
-from ple.fast.prefill import block_rows
 from ple.fast.prefill import ple_prefill as fast_prefill
+from ple.fast.prefill import rows_per_program
 from ple.reference.prefill import ple_prefill as ref_prefill
 from ple.testing.kit.cases import (
     NAN,
@@ -89,8 +91,8 @@ def _build(case):
     M, H, K, d, lens, dt = case["M"], case["H"], case["K"], case["dilation"], case["lens"], case["dtype"]
     C, S, R = M * H, (K - 1) * d, len(lens)
     ix, col = case["index_dtype"], case["column_indices"]
-    starts, T, rows, token_indices = request_rows(lens, g, case["extra_rows"] if case["token_indices"] else None,
-                                                  ix, col)
+    query_start_loc_list, T, rows, token_indices = request_rows(
+        lens, g, case["extra_rows"] if case["token_indices"] else None, ix, col)
 
     def rows_of(width, scale=1.0):
         return rows_view(T, width, dt, g, case["strided_rows"], scale)
@@ -98,8 +100,8 @@ def _build(case):
     t = dict(key=rows_of(C, 2.0), value=rows_of(H), hidden=rows_of(C),
              weights=[randn((C,), dt, g, 0.5) for _ in range(3)],
              conv_weights=randn((C, K), dt, g) if case["weight_layout"] == "ck" else randn((K, C), dt, g).t(),
-             qsl=torch.tensor(starts, dtype=ix), token_indices=token_indices, rows=rows, T=T,
-             outside=sorted(set(range(T)) - set(rows)), keep=None, state=None, buf=None, slots=None, init=None,
+             query_start_loc=torch.tensor(query_start_loc_list, dtype=ix), token_indices=token_indices, rows=rows, T=T,
+             outside=sorted(set(range(T)) - set(rows)), keep=None, state=None, buf=None, state_indices=None, init=None,
              null_slot=0)
     for name in ("key", "value", "hidden"):                 # rows outside the call: never read
         t[name][t["outside"]] = NAN
@@ -109,25 +111,26 @@ def _build(case):
     if not case["serving"]:
         return t
     W = S + case["extra_w"]
-    num_slots, null_slot, slots = assign_slots(R, case["extra_slots"], case["null_at_end"], case["null_requests"], g)
+    num_slots, null_slot, state_indices_list = assign_slots(R, case["extra_slots"], case["null_at_end"],
+                                                            case["null_requests"], g)
     sdt = dt if case["state_dtype"] == "same" else torch.float32
     state, buf = state_view(num_slots, C, W, case["layout"], sdt, g)
     has_init = [False] * R
     if case["init"] is not None:
         has_init = list(case["init_values"])
         t["init"] = torch.tensor(has_init, dtype=torch.bool if case["init"] == "bool" else ix)
-    masks = prefill_state_masks(slots, lens, has_init, null_slot, S, num_slots, W)
+    masks = prefill_state_masks(state_indices_list, lens, has_init, null_slot, S, num_slots, W)
     state[~masks["read"][:, None, :].expand(state.shape)] = NAN      # poison every column the call must not read
-    t.update(state=state, buf=buf, slots=index_tensor(slots, ix, col), null_slot=null_slot,
+    t.update(state=state, buf=buf, state_indices=index_tensor(state_indices_list, ix, col), null_slot=null_slot,
              written=masks["written"], copied=masks["copied"], has_init=has_init)   # copied: old columns moved
     return t
 
 
 def _call(op, t, case, state=None, dtype=None):
     cast = (lambda x: x) if dtype is None else (lambda x: x.to(dtype))
-    kw = dict(dilation=case["dilation"], query_start_loc=t["qsl"], keep=t["keep"])
+    kw = dict(dilation=case["dilation"], query_start_loc=t["query_start_loc"], keep=t["keep"])
     if case["serving"]:
-        kw.update(conv_state=state, state_indices=t["slots"], has_initial_states=t["init"],
+        kw.update(conv_state=state, state_indices=t["state_indices"], has_initial_states=t["init"],
                   token_indices=t["token_indices"], null_slot=t["null_slot"])
     return op(cast(t["key"]), cast(t["value"]), cast(t["hidden"]), *[cast(w) for w in t["weights"]], EPS,
               cast(t["conv_weights"]), **kw)
@@ -180,7 +183,7 @@ def test_prefill_serving_matches_reference(data):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_prefill_model_shape_tiles(dtype):
     """K 4, dilation 3 (S 9), requests spanning several tiles, halos read from the state and across tiles."""
-    tile = block_rows(9) - 9
+    tile = rows_per_program(9) - 9
     case = dict(serving=True, lens=[2 * tile + 5, 4, 0, tile + 1, 3], M=2, H=8, K=4, dilation=3, dtype=dtype,
                 keep="bool", weight_layout="ck", strided_rows=False, state_dtype="same", layout="wc", extra_w=0,
                 extra_slots=1, null_at_end=False, null_requests=[False, False, False, True, False],
@@ -229,7 +232,7 @@ def test_prefill_chunks_carry_state_bitwise(n, cut, K, d, dtype, init, keep, see
 def _grads(fn, tensors, dout, case):
     leaves = [x.detach().requires_grad_() for x in tensors]
     key, value, hidden, wk, wq, wc, w = leaves
-    out = fn(key, value, hidden, wk, wq, wc, EPS, w, dilation=case["d"], query_start_loc=case["qsl"],
+    out = fn(key, value, hidden, wk, wq, wc, EPS, w, dilation=case["d"], query_start_loc=case["query_start_loc"],
              keep=case["keep"])
     return [out.detach(), *torch.autograd.grad(out, leaves, dout)]
 
@@ -245,10 +248,11 @@ def test_prefill_gradients(lens, M, H, K, d, keep, dtype, seed):
     T, C = sum(lens), M * H
     tensors = [randn((T, C), dtype, g, 2.0), randn((T, H), dtype, g), randn((T, C), dtype, g),
                *[randn((C,), dtype, g, 0.5) for _ in range(3)], randn((C, K), dtype, g)]
-    starts = [0]
+    query_start_loc_list = [0]
     for n in lens:
-        starts.append(starts[-1] + n)
-    case = dict(d=d, qsl=torch.tensor(starts), keep=(torch.rand(T, generator=g) < 0.7) if keep else None)
+        query_start_loc_list.append(query_start_loc_list[-1] + n)
+    case = dict(d=d, query_start_loc=torch.tensor(query_start_loc_list),
+                keep=(torch.rand(T, generator=g) < 0.7) if keep else None)
     dout = randn((T, C), dtype, g)
     exp = _grads(ref_prefill, tensors, dout, case)
     act = _grads(fast_prefill, tensors, dout, case)
@@ -265,10 +269,11 @@ def test_prefill_gradcheck_float64():
     C = M * H
     tensors = [randn(s, torch.float64, g).requires_grad_() for s in ((T, C), (T, H), (T, C), (C,), (C,), (C,),
                                                                       (C, K))]
-    qsl, keep = torch.tensor([0, 4, 7]), torch.tensor([True, True, False, True, True, True, False])
+    query_start_loc, keep = torch.tensor([0, 4, 7]), torch.tensor([True, True, False, True, True, True, False])
 
     def f(key, value, hidden, wk, wq, wc, w):
-        return fast_prefill(key, value, hidden, wk, wq, wc, EPS, w, dilation=2, query_start_loc=qsl, keep=keep)
+        return fast_prefill(key, value, hidden, wk, wq, wc, EPS, w, dilation=2, query_start_loc=query_start_loc,
+                            keep=keep)
 
     assert torch.autograd.gradcheck(f, tensors, eps=1e-6, atol=1e-5, rtol=1e-4, fast_mode=True)
 
@@ -278,13 +283,14 @@ def _bad_calls():
     T, C, H, K = 4, 6, 3, 2
     base = [randn(s, torch.float32, g) for s in ((T, C), (T, H), (T, C), (C,), (C,), (C,))]
     w = randn((C, K), torch.float32, g)
-    qsl = torch.tensor([0, 1, 4])
+    query_start_loc = torch.tensor([0, 1, 4])
     state = torch.zeros(3, C, 2)
-    kw = dict(dilation=1, query_start_loc=qsl)
+    kw = dict(dilation=1, query_start_loc=query_start_loc)
     yield "token_indices without a state", dict(kw, token_indices=torch.arange(4)), base, w
     yield "keep shape", dict(kw, keep=torch.ones(3, dtype=torch.bool)), base, w
     yield "keep float", dict(kw, keep=torch.ones(4)), base, w
     yield "offsets end", dict(kw, query_start_loc=torch.tensor([0, 3])), base, w
+    yield "conv_weights channels", kw, base, randn((C + 1, K), torch.float32, g)
     yield "state without indices", dict(kw, conv_state=state), base, w
     yield "slot range", dict(kw, conv_state=state, state_indices=torch.tensor([1, 5])), base, w
     yield "repeated slot", dict(kw, conv_state=state, state_indices=torch.tensor([1, 1])), base, w
@@ -299,3 +305,4 @@ def test_prefill_errors_match_reference(case):
     with pytest.raises(expected.type) as actual:
         fast_prefill(*tensors, EPS, w, **kw)
     assert str(actual.value) == str(expected.value)
+    assert str(expected.value).split(":")[0] in inspect.signature(ref_prefill).parameters     # names its argument

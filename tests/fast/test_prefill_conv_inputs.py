@@ -22,12 +22,12 @@ def test_conv_inputs_are_the_states_a_fused_prefill_writes(dtype):
     key, value, hidden = rnd(T, C), rnd(T, H), rnd(T, C)
     wk, wq, wc, w = rnd(C) * 0.3, rnd(C) * 0.3, rnd(C) * 0.3, rnd(C, K) * 0.5
     state = torch.zeros(4, S, C, dtype=dtype).transpose(1, 2)
-    qsl = torch.tensor([0, 23, 34, 39])
-    fast.ple_prefill(key, value, hidden, wk, wq, wc, 1e-6, w, dilation=d, query_start_loc=qsl, conv_state=state,
-                     state_indices=torch.tensor([1, 2, 3]))
+    query_start_loc = torch.tensor([0, 23, 34, 39])
+    fast.ple_prefill(key, value, hidden, wk, wq, wc, 1e-6, w, dilation=d, query_start_loc=query_start_loc,
+                     conv_state=state, state_indices=torch.tensor([1, 2, 3]))
     u = prefill_conv_inputs(key, value, hidden, wk, wq, wc, 1e-6, S)
     for r, slot in enumerate((1, 2, 3)):
-        lo, hi = int(qsl[r]), int(qsl[r + 1])
+        lo, hi = int(query_start_loc[r]), int(query_start_loc[r + 1])
         want = torch.cat([torch.zeros(S, C, dtype=dtype), u[lo:hi]])[-S:]
         assert_bitwise_equal(state[slot].T, want, name=f"slot {slot}'s state")
     torch.testing.assert_close(u, ref.ple_gate(key, value, hidden, wk, wq, wc, 1e-6)[1], rtol=1e-5, atol=1e-5)

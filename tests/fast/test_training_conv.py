@@ -65,11 +65,11 @@ def test_dilated_causal_conv_small_tiles_match_reference(sizes, kind, C, K, d, L
 
 def _check_against_reference(kind, C, K, d, B, L, lens, dtype, strided, seed):
     g = torch.Generator().manual_seed(seed)
-    cu = None
+    cu_seqlens = None
     if kind == "dense":
         shape = (B, L, C)
     elif kind == "packed":                                  # strided: cu_seqlens a column of a table
-        cu = index_tensor([0] + torch.tensor(lens).cumsum(0).tolist(), torch.int32, strided)
+        cu_seqlens = index_tensor([0] + torch.tensor(lens).cumsum(0).tolist(), torch.int32, strided)
         shape = (sum(lens), C)
     else:
         shape = (L, C)
@@ -85,7 +85,7 @@ def _check_against_reference(kind, C, K, d, B, L, lens, dtype, strided, seed):
     def run(op, x, w, dy):                                  # every buffer allocated starts NaN (poisoned_empty)
         x = x.detach().clone().requires_grad_()
         w = w.detach().clone().requires_grad_()
-        y = op(x, w, dilation=d, cu_seqlens=cu)
+        y = op(x, w, dilation=d, cu_seqlens=cu_seqlens)
         y.backward(dy)
         return y.detach(), x.grad, w.grad
 
@@ -105,10 +105,10 @@ def test_dilated_causal_conv_reads_cu_seqlens_through_its_stride(dtype):
     x = randn((40, 5), torch.float32, g).requires_grad_()
     w = randn((5, 3), torch.float32, g).requires_grad_()
     dy = randn((40, 5), torch.float32, g)
-    cu = torch.tensor([0, 99, 3, -7, 3, 5, 37, 1000, 40], dtype=dtype)[::2]      # [0, 3, 3, 37, 40], stride 2
+    cu_seqlens = torch.tensor([0, 99, 3, -7, 3, 5, 37, 1000, 40], dtype=dtype)[::2]      # [0, 3, 3, 37, 40], stride 2
     outs = []
     for op in (ref.dilated_causal_conv, fast.dilated_causal_conv):
-        y = op(x, w, dilation=2, cu_seqlens=cu)
+        y = op(x, w, dilation=2, cu_seqlens=cu_seqlens)
         dx, dw = torch.autograd.grad(y, (x, w), dy)
         outs.append((y, dx, dw))
     for name, a, b in zip(("y", "dx", "dweight"), *outs, strict=True):
@@ -122,17 +122,17 @@ def test_dilated_causal_conv_gradcheck():
     assert torch.autograd.gradcheck(lambda a, b: fast.dilated_causal_conv(a, b, dilation=2), (x, w),
                                     fast_mode=True)
     xp = randn((7, 2), torch.float64, g).requires_grad_()
-    cu = torch.tensor([0, 3, 3, 7])
-    assert torch.autograd.gradcheck(lambda a, b: fast.dilated_causal_conv(a, b, dilation=1, cu_seqlens=cu),
+    cu_seqlens = torch.tensor([0, 3, 3, 7])
+    assert torch.autograd.gradcheck(lambda a, b: fast.dilated_causal_conv(a, b, dilation=1, cu_seqlens=cu_seqlens),
                                     (xp, w), fast_mode=True)
 
 
 
 def test_dilated_causal_conv_errors_match_reference():
-    cu, short = torch.tensor([0, 4]), torch.tensor([0, 3])
+    cu_seqlens, short = torch.tensor([0, 4]), torch.tensor([0, 3])
     for args, kw in [((torch.randn(4, 3), torch.randn(2, 2)), dict(dilation=1)),
                      ((torch.randn(4, 3), torch.randn(3, 2)), dict(dilation=0)),
-                     ((torch.randn(1, 4, 3), torch.randn(3, 2)), dict(dilation=1, cu_seqlens=cu)),
+                     ((torch.randn(1, 4, 3), torch.randn(3, 2)), dict(dilation=1, cu_seqlens=cu_seqlens)),
                      ((torch.randn(4, 3), torch.randn(3, 2)), dict(dilation=1, cu_seqlens=short))]:
         with pytest.raises((ValueError, TypeError)) as e_ref:
             ref.dilated_causal_conv(*args, **kw)
