@@ -1,4 +1,4 @@
-"""The dilated depthwise causal convolution of a serving step (SPEC sections 5 and 6).
+"""The dilated depthwise causal convolution of a serving step (docs/spec.md sections 5 and 6).
 
 For one request with conv inputs ``u`` (``[L, C]``) and history ``hist`` (the S
 inputs before them, oldest first, then ``u``)::
@@ -21,12 +21,13 @@ so with ``validate=False`` they turn no tensor into a Python value and trace und
 Rounding follows the model: the tap sum is accumulated in float32 and rounded to
 the input dtype, then silu, rounded; each residual add is rounded.
 
-Decode rows (the hot serving path) take ``decode.decode_conv``: a gather and a scatter of the
-windows in a fixed number of ops (about 45, most on a few index values) whatever R is (see there).
-Prefill and spec rows take the general gather formulation below; states are read and written as
-rows where the layout allows (``rows.state_rows``), every row scatter on a wide view
-(``rows.copy_rows_``, under ``torch.compile`` the operator ``ple_torch::copy_rows_``, which mutates
-the cache's conv states in place).
+``ple_conv`` has two paths (``ple/vectorized/__init__.py`` has the measurements): the general one
+below, for every mode, layout, dtype and device, eager or compiled, and, for eager decode rows on
+``PLECache``'s layout (``decode.takes_row_path``), ``decode.decode_conv``: a gather and a scatter of the
+windows in a fixed number of ops (about 45, most on a few index values) whatever R is. States are
+written as rows where the layout allows (``rows.state_rows``, ``rows.copy_rows_``: under
+``torch.compile`` the operator ``ple_torch::copy_rows_``, which mutates the cache's conv states in
+place).
 """
 
 from __future__ import annotations
@@ -38,18 +39,18 @@ from .. import _checks
 from .. import reference as _reference
 from ..backends import twin
 from ..reference.gate import acc_dtype
-from .decode import decode_conv
+from .decode import decode_conv, takes_row_path
 from .rows import copy_rows_, state_rows
 
 __all__ = ["ple_conv", "export_conv_checkpoints"]
 
 
 def _row_requests(query_start_loc: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per logical row: its request and the request's first row (``query_start_loc`` ``[R+1]``, on the device)."""
-    qsl = query_start_loc.to(torch.int64)
-    rows = torch.arange(num_rows, device=qsl.device)
-    req = torch.searchsorted(qsl[1:], rows, right=True).clamp(max=max(qsl.numel() - 2, 0))
-    return req, qsl[req]
+    """Per logical row: its request and the request's first row (``query_start_loc`` ``[R+1]`` int64, on the
+    device)."""
+    rows = torch.arange(num_rows, device=query_start_loc.device)
+    req = torch.searchsorted(query_start_loc[1:], rows, right=True).clamp(max=max(query_start_loc.numel() - 2, 0))
+    return req, query_start_loc[req]
 
 
 def _read_windows(conv_state: torch.Tensor, slots: torch.Tensor, owns: torch.Tensor, width: int,
@@ -100,34 +101,37 @@ def ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Ten
              num_accepted_tokens: torch.Tensor | None = None, spec_query_len: int = 1,
              token_indices: torch.Tensor | None = None, outer_residual: torch.Tensor | None = None,
              null_slot: int = 0, validate: bool = True) -> None:
-    # The docstring is the reference's (twin). How this one computes: decode rows go to
-    # `decode.decode_conv`; prefill and spec requests are handled all at once: logical row i finds its
-    # request r (searchsorted on query_start_loc) and its position p, tap j reads hist_r[S + p - lag_j]
-    # from inputs or from the slot's old columns, and the new columns (new[:, c] = hist_r[base + c],
-    # base = q_r and S of them; spec: base = 1, S + q_r - 1 of them) are computed from the states as they
-    # were before the call, then written with a fixed shape: the null slot's own bits, read first, are
-    # written back to it (`_write_windows`). No tensor becomes a Python value after the checks.
+    """Eager decode rows on ``PLECache``'s layout go to ``decode.decode_conv`` (``decode.takes_row_path``);
+    every other call takes the general path, all requests at once: logical row i finds its request r
+    (``searchsorted`` on ``query_start_loc``; decode: one row per request) and its position p, tap j reads
+    ``hist_r[S + p - lag_j]`` from ``inputs`` or from the slot's old columns, and the new columns
+    (``new[:, c] = hist_r[base + c]``, ``base = q_r`` and S of them; spec: ``base = 1``, ``S + q_r - 1`` of
+    them) are computed from the states as they were before the call, then written with a fixed shape: the
+    null slot's own bits, read first, are written back to it (``_write_windows``). No tensor becomes a
+    Python value after the checks."""
     check = _checks.ple_conv_call if validate else _checks.ple_conv_meta
     check(inputs, residual, conv_state, conv_weights, state_indices, mode=mode, dilation=dilation,
           query_start_loc=query_start_loc, has_initial_states=has_initial_states,
           num_accepted_tokens=num_accepted_tokens, spec_query_len=spec_query_len,
           token_indices=token_indices, outer_residual=outer_residual, null_slot=null_slot)
+    R = state_indices.numel()
     if mode == "decode":
-        decode_conv(inputs, residual, conv_state, conv_weights, state_indices, dilation, has_initial_states,
-                    token_indices, outer_residual, null_slot)
-        return
+        if takes_row_path(inputs, conv_state, conv_weights, state_indices, null_slot):
+            decode_conv(inputs, residual, conv_state, conv_weights, state_indices, dilation, has_initial_states,
+                        token_indices, outer_residual, null_slot)
+            return
+        query_start_loc = torch.arange(R + 1, device=inputs.device)             # one row per request
     K = conv_weights.shape[1]
     S = (K - 1) * dilation
     C = inputs.shape[1]
     dev, dt = inputs.device, inputs.dtype
-    R = state_indices.numel()
     N = inputs.shape[0] if token_indices is None else token_indices.numel()    # logical rows
     rows = torch.arange(N, device=dev) if token_indices is None else token_indices.to(torch.int64)
     assert query_start_loc is not None                                          # checked by ple_conv_meta
+    query_start_loc = query_start_loc.to(torch.int64)
     req, first = _row_requests(query_start_loc, N)
-    starts = query_start_loc.to(torch.int64)
     pos = torch.arange(N, device=dev) - first                                   # position in its request
-    q = starts[1:] - starts[:-1]                                                # [R] rows per request
+    q = query_start_loc[1:] - query_start_loc[:-1]                              # [R] rows per request
 
     slots = state_indices.to(torch.int64)
     live = slots != null_slot                                                   # [R]
@@ -136,7 +140,9 @@ def ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Ten
         reads = live
         o = num_accepted_tokens.to(torch.int64) - 1
     else:
-        flags = torch.full((R,), False, device=dev) if has_initial_states is None else has_initial_states != 0
+        # has_initial_states defaults to all False in prefill (new sequences), all True in decode
+        flags = has_initial_states != 0 if has_initial_states is not None else torch.full((R,), mode == "decode",
+                                                                                            device=dev)
         reads = live & flags
         o = torch.zeros(R, dtype=torch.int64, device=dev)
 
@@ -150,8 +156,9 @@ def ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Ten
 
     def hist_row(r, k):
         """Row of ``hist_r[k]``: ``k < S`` its old column ``o_r + k`` (or zeros), else logical row
-        ``starts[r] + k - S``."""
-        return torch.where(k < S, torch.where(reads[r], 1 + r * width + o[r] + k, 0), 1 + R * width + starts[r] + k - S)
+        ``query_start_loc[r] + k - S``."""
+        return torch.where(k < S, torch.where(reads[r], 1 + r * width + o[r] + k, 0),
+                           1 + R * width + query_start_loc[r] + k - S)
 
     acc = acc_dtype(dt)
     w = conv_weights.to(acc)
@@ -187,20 +194,9 @@ def export_conv_checkpoints(inputs: torch.Tensor, conv_state: torch.Tensor, *,
                             query_start_loc: torch.Tensor, offsets: torch.Tensor, slots: torch.Tensor,
                             state_len: int, token_indices: torch.Tensor | None = None,
                             null_slot: int = 0, validate: bool = True) -> None:
-    """Write prefix-cache checkpoints: ``conv_state[slots[r], :, 0:S] = inputs of rows [off - S, off)``.
-
-    For request r (rows cut by ``query_start_loc``, logical rows mapped through
-    ``token_indices``) with ``offsets[r] > 0``, the slot receives the state the request
-    would have after the first ``offsets[r]`` tokens of this step, provided those rows
-    hold at least S inputs: ``0 < offsets[r] < state_len`` or an offset past the
-    request's rows is a ``ValueError``. ``offsets[r] == 0`` and ``slots[r] == null_slot``
-    write nothing (no bit of any slot changes; see ``ple_conv`` for how the fixed-shape
-    write leaves other slots alone). All requests at once, on the device.
-
-    ``validate=False`` skips the value checks (index ranges, offsets, distinct slots);
-    for callers that validated on the host, e.g. ``PLECache.schedule``; out-of-range
-    values are then undefined behaviour.
-    """
+    """All requests at once, on the device, with no host read after the checks: each owner's S new
+    columns are gathered from ``inputs`` and written with ``ple_conv``'s fixed-shape write
+    (`_write_windows`), which leaves the bits of every other slot alone."""
     check = _checks.export_call if validate else _checks.export_meta
     check(inputs, conv_state, query_start_loc=query_start_loc, offsets=offsets, slots=slots,
           state_len=state_len, token_indices=token_indices, null_slot=null_slot)

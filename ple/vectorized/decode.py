@@ -1,4 +1,4 @@
-"""`ple_conv` of decode rows, one per request (SPEC section 6), the hot serving path; see ``conv``.
+"""The fast path of `ple_conv` for decode rows, one per request (docs/spec.md section 6), the hot serving path.
 
 A request's history is its slot's columns ``0..S-1`` (``S = (K-1) * d``), then its input ``x``; tap j
 reads column ``j * d`` (tap K-1: ``x``); afterwards the slot holds columns ``1..S-1`` then ``x``
@@ -8,7 +8,7 @@ and writes its S columns back unchanged, so the null slot's bits do not change.
 With the state's columns as rows (``rows.state_rows``; ``PLECache``'s default ``channels_last``
 layout) the window shift is two passes over the windows, a gather and a scatter (the least a shift
 of every column can take), in a fixed number of ops whatever R is (about 45, most of them on a few
-index values; `_decode`):
+index values; `decode_conv`):
 
 * one ``index_select`` of ``(S + 1) * R`` state rows into a table of S + 1 blocks of R rows (row
   ``b * R + r``: block b of request r): block b is column b, block S is where ``x`` goes (read from
@@ -22,45 +22,32 @@ index values; `_decode`):
   adds, rounded one at a time;
 * one scatter (``rows.copy_rows_``) writes blocks ``1..S`` over the slots' columns ``0..S-1``.
 
-Under ``torch.compile`` (`_decode_compiled`) the same arithmetic is written as inductor fuses it: the
-taps and the new windows are indexed loads from the state inside its fused kernels (one buffer of new
-windows, no table), the window written back with ``ple_torch::copy_rows_``. Other layouts, a state
-dtype other than the inputs', an out-of-range null slot and ``S = 0`` take `_decode_general`: the
-windows gathered as ``[R, S, C]`` and written back whole.
+It runs where `takes_row_path` says: eagerly, on a state in the inputs' dtype whose columns are rows,
+with ``S > 0``, at least one request and the null slot inside the state. Everything else (other layouts
+or state dtypes, ``S = 0``, an out-of-range null slot, and every call under ``torch.compile``, where the
+general path is as fast as the compiled decode path it replaced) takes ``conv.ple_conv``'s general path.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..reference.gate import acc_dtype
 from .rows import bits, copy_rows_, state_rows
-from .training_conv import LOW_PRECISION, conv_activation, multiply_add_
+from .training_conv import conv_activation, multiply_add_
 
-__all__ = ["decode_conv"]
-
-
-def decode_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Tensor, conv_weights: torch.Tensor,
-                state_indices: torch.Tensor, dilation: int, has_initial_states: torch.Tensor | None,
-                token_indices: torch.Tensor | None, outer_residual: torch.Tensor | None, null_slot: int) -> None:
-    """`ple_conv` of decode rows after its checks; dispatches to `_decode`, `_decode_compiled` or
-    `_decode_general` (see the module docstring)."""
-    K = conv_weights.shape[1]
-    S = (K - 1) * dilation
-    R = state_indices.numel()
-    num_slots, W = conv_state.shape[0], conv_state.shape[2]
-    rows = state_rows(conv_state) if S > 0 and R > 0 else None
-    if rows is None or conv_state.dtype != inputs.dtype or not 0 <= null_slot < num_slots:
-        _decode_general(inputs, residual, conv_state, conv_weights, state_indices, dilation, has_initial_states,
-                        token_indices, outer_residual, null_slot)
-        return
-    fn = _decode_compiled if torch.compiler.is_compiling() else _decode
-    fn(inputs, residual, rows, W, conv_weights, state_indices, dilation, has_initial_states, token_indices,
-       outer_residual, null_slot)
+__all__ = ["takes_row_path", "decode_conv"]
 
 
-def _requests(inputs, state_indices, has_initial_states, token_indices, null_slot):
+def takes_row_path(inputs: torch.Tensor, conv_state: torch.Tensor, conv_weights: torch.Tensor,
+                   state_indices: torch.Tensor, null_slot: int) -> bool:
+    """Whether a decode call takes `decode_conv` (see the module docstring)."""
+    return (not torch.compiler.is_compiling() and conv_weights.shape[1] > 1 and state_indices.numel() > 0
+            and conv_state.dtype == inputs.dtype and 0 <= null_slot < conv_state.shape[0]
+            and state_rows(conv_state) is not None)
+
+
+def _decode_rows(inputs, state_indices, has_initial_states, token_indices, null_slot):
     """``(slots, live, reads, rows)``: each request's slot, whether it is not on the null slot, whether it
     reads a history, and its physical row."""
     R = state_indices.numel()
@@ -81,14 +68,18 @@ def _residual_(residual, rows, live, y, outer_residual) -> None:
     copy_rows_(residual, rows, new_res)
 
 
-def _decode(inputs, residual, state, W, conv_weights, state_indices, dilation, has_initial_states,
-            token_indices, outer_residual, null_slot) -> None:
-    """The eager decode step on the state's rows ``state`` (see the module docstring)."""
+def decode_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Tensor, conv_weights: torch.Tensor,
+                state_indices: torch.Tensor, dilation: int, has_initial_states: torch.Tensor | None,
+                token_indices: torch.Tensor | None, outer_residual: torch.Tensor | None, null_slot: int) -> None:
+    """`ple_conv` of decode rows after its checks, where `takes_row_path` (see the module docstring)."""
+    state = state_rows(conv_state)                                             # [num_slots * W, C]
+    assert state is not None
+    W = conv_state.shape[2]
     K = conv_weights.shape[1]
     S = (K - 1) * dilation
     R, C = state_indices.numel(), inputs.shape[1]
     dev, dt = inputs.device, inputs.dtype
-    slots, live, reads, rows = _requests(inputs, state_indices, has_initial_states, token_indices, null_slot)
+    slots, live, reads, rows = _decode_rows(inputs, state_indices, has_initial_states, token_indices, null_slot)
     b = torch.arange(S + 1, device=dev)
     first = slots * W                                                           # column 0's row (null: its own)
     # Block b: column b (x's block: column S-1, overwritten); on the null slot column b - 1 (block 0: any).
@@ -115,82 +106,3 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     """The bits of ``t`` (``[..., C]``, contiguous rows) as 8-byte words where ``C`` allows, else as integers of
     its element size: for bit operations in fewer elements."""
     return t.view(torch.int64) if (t.shape[-1] * t.element_size()) % 8 == 0 else bits(t)
-
-
-def _decode_compiled(inputs, residual, state, W, conv_weights, state_indices, dilation, has_initial_states,
-                     token_indices, outer_residual, null_slot) -> None:
-    """`_decode` as inductor fuses it: the taps and the new windows are indexed loads from the state (one
-    ``[R*S, C]`` buffer of new windows, no table), the taps' weights stacked (a buffer it realises; a
-    transposed view it would gather element by element), the windows written with ``ple_torch::copy_rows_``."""
-    K = conv_weights.shape[1]
-    S = (K - 1) * dilation
-    R, C = state_indices.numel(), inputs.shape[1]
-    dev, dt = inputs.device, inputs.dtype
-    acc = acc_dtype(dt)
-    slots, live, reads, rows = _requests(inputs, state_indices, has_initial_states, token_indices, null_slot)
-    c = torch.arange(S, device=dev)
-    first = (slots * W)[:, None]                                                # [R, 1]: column 0's row
-    x = inputs[rows]
-    wt = torch.stack(conv_weights.to(acc).unbind(1))                            # [K, C]
-    u = x.new_zeros(R, C, dtype=acc)
-    for j in range(K - 1):
-        u = u + torch.where(reads[:, None], state[first[:, 0] + j * dilation].to(acc), 0.0) * wt[j]
-    u = u + x.to(acc) * wt[K - 1]
-    y = F.silu(u.to(dt).to(acc)).to(dt)
-    res = residual[rows]
-    new_res = torch.where(live[:, None], res + y, res)
-    if outer_residual is not None:
-        new_res = new_res + outer_residual[rows]
-    residual.index_copy_(0, rows, new_res)
-    # Column c afterwards: column c + 1 (zeros without history) for c < S-1, then x; on the null slot column c.
-    shift = live[:, None] & (c < S - 1)                                         # [R, S]
-    # bfloat16 / float16 selected as integers (the bits): inductor computes their select in float32, and the
-    # round trip would make every NaN the canonical one; float32 / float64 are selected as they are (faster).
-    as_bits = bits if dt in LOW_PRECISION else (lambda t: t)
-    old = as_bits(state)[(first + torch.where(shift, c + 1, c)).flatten()].view(R, S, C)
-    new = torch.where((live[:, None] & (c == S - 1))[:, :, None], as_bits(x)[:, None],
-                      torch.where((shift & ~reads[:, None])[:, :, None], old.new_zeros(()), old))
-    copy_rows_(state, (first + c).flatten(), new.view(R * S, C).view(dt))
-
-
-def _decode_general(inputs, residual, conv_state, conv_weights, state_indices, dilation, has_initial_states,
-                    token_indices, outer_residual, null_slot) -> None:
-    """The decode step for any layout and state dtype: the windows gathered as ``[R, S, C]`` and written back
-    whole."""
-    K = conv_weights.shape[1]
-    S = (K - 1) * dilation
-    R, C = state_indices.numel(), inputs.shape[1]
-    dt, st = inputs.dtype, conv_state.dtype
-    acc = acc_dtype(dt)
-    num_slots = conv_state.shape[0]
-    slots, live, _, rows = _requests(inputs, state_indices, None, token_indices, null_slot)
-    x = inputs.index_select(0, rows)                                            # [R, C]
-    wt = conv_weights.to(acc).t().contiguous()                                  # [K, C], tap j: wt[j]
-    u = x.new_zeros(R, C, dtype=acc)
-    sv = conv_state.transpose(1, 2)[:, :S]                                      # [num_slots, S, C]
-    z = null_slot if 0 <= null_slot < num_slots else 0
-    if S > 0 and num_slots > 0 and R > 0:
-        target = torch.where(live, slots, z)
-        raw = sv.index_select(0, target)                                        # [R, S, C], the bits before
-        old = raw if st == dt else raw.to(dt)
-        if has_initial_states is not None:                                      # no history: zeros
-            old = torch.where((live & (has_initial_states != 0))[:, None, None], old, old.new_zeros(()))
-        taps = old[:, ::dilation].to(acc)                                       # [R, K-1, C]: rows j * d
-        for j in range(K - 1):
-            multiply_add_(u, taps[:, j], wt[j])
-    multiply_add_(u, x.to(acc), wt[K - 1])
-    y = conv_activation(u, dt, inplace=True)
-    res = residual.index_select(0, rows)
-    new_res = torch.where(live[:, None], res + y, res)
-    if outer_residual is not None:
-        new_res = new_res + outer_residual.index_select(0, rows)
-    residual.index_copy_(0, rows, new_res)
-    if S == 0 or num_slots == 0 or R == 0:
-        return
-    new = torch.cat([old[:, 1:], x[:, None]], 1)
-    new = torch.where(live[:, None, None], new if st == dt else new.to(st), raw)
-    if not 0 <= null_slot < num_slots:                                          # stand-in slot 0: see conv
-        hit = live & (target == 0)
-        z_final = torch.where(hit.any(), new[hit.to(torch.int8).argmax()], new[(~live).to(torch.int8).argmax()])
-        new = torch.where(live[:, None, None], new, z_final)
-    sv.index_copy_(0, target, new)

@@ -1,5 +1,5 @@
 """``embedding_lookup`` as one ``F.embedding`` gather, and ``ngram_embedding``, its composition with
-``ngram_ids`` (SPEC section 7)."""
+``ngram_ids`` (docs/spec.md section 7), checked once."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from .. import _checks
 from .. import reference as _reference
 from ..backends import twin
 from ..reference.hashing import HashParams
-from .hashing import ngram_ids
+from .hashing import _ngram_ids
 
 __all__ = ["embedding_lookup", "ngram_embedding"]
 
@@ -18,6 +18,11 @@ __all__ = ["embedding_lookup", "ngram_embedding"]
 @twin(_reference.embedding_lookup)
 def embedding_lookup(weight: torch.Tensor, ids: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
     (_checks.lookup_call if validate else _checks.lookup_meta)(weight, ids)
+    return _embedding_lookup(weight, ids)
+
+
+def _embedding_lookup(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The body of `embedding_lookup`, for a call already checked."""
     (T, NH), D = ids.shape, weight.shape[1]
     return F.embedding(ids.long(), weight).reshape(T, NH * D)
 
@@ -26,8 +31,8 @@ def embedding_lookup(weight: torch.Tensor, ids: torch.Tensor, *, validate: bool 
 def ngram_embedding(weight: torch.Tensor, input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: int,
                     eos_token_id: int, query_start_loc: torch.Tensor | None = None,
                     ngram_context: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
-    _checks.ngram_meta(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context,
-                       weight=weight)
-    ids = ngram_ids(input_ids, params, heads_per_ngram=heads_per_ngram, eos_token_id=eos_token_id,
-                    query_start_loc=query_start_loc, ngram_context=ngram_context, validate=validate)
-    return embedding_lookup(weight, ids, validate=False)             # rows of our own hash lie in the table
+    # Checked once, the table's row count included (weight=), then the two ops' bodies run unchecked.
+    (_checks.ngram_call if validate else _checks.ngram_meta)(input_ids, params, heads_per_ngram, eos_token_id,
+                                                             query_start_loc, ngram_context, weight=weight)
+    ids = _ngram_ids(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
+    return _embedding_lookup(weight, ids)

@@ -1,4 +1,4 @@
-"""``ngram_ids`` vectorised over the whole flattened batch (SPEC section 3).
+"""``ngram_ids`` vectorised over the whole flattened batch (docs/spec.md section 3).
 
 Each token finds its request with ``torch.searchsorted`` on the device ``query_start_loc``;
 every token's whole window (the token and the N-1 before it, from the chunk or the request's
@@ -34,9 +34,9 @@ def _windows(ids: torch.Tensor, ctx: torch.Tensor, N: int, eos_token_id: int,
     if query_start_loc is None:
         req, pos = torch.zeros(T, dtype=torch.int64, device=dev), t
     else:
-        qsl = query_start_loc.to(torch.int64)
-        req = torch.searchsorted(qsl[1:], t, right=True).clamp(max=max(R - 1, 0))     # [T] request of a token
-        pos = t - qsl[req]                                                            # position in it
+        query_start_loc = query_start_loc.to(torch.int64)
+        req = torch.searchsorted(query_start_loc[1:], t, right=True).clamp(max=max(R - 1, 0))   # [T] its request
+        pos = t - query_start_loc[req]                                                # position in it
     k = torch.arange(N, device=dev)
     n_ctx = R * (N - 1)
     in_chunk = pos[:, None] >= k
@@ -55,6 +55,12 @@ def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: i
               ngram_context: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
     check = _checks.ngram_call if validate else _checks.ngram_meta
     check(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
+    return _ngram_ids(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
+
+
+def _ngram_ids(input_ids: torch.Tensor, params: HashParams, heads_per_ngram: int, eos_token_id: int,
+               query_start_loc: torch.Tensor | None, ngram_context: torch.Tensor | None) -> torch.Tensor:
+    """The body of `ngram_ids`, for a call already checked."""
     dev = input_ids.device
     N = params.multipliers.numel()
     R = 1 if query_start_loc is None else query_start_loc.numel() - 1

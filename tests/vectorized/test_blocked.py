@@ -1,13 +1,15 @@
-"""The blocked paths of the ``"torch"`` backend against the reference, bit for bit, across many blocks.
+"""The fast paths of ``ple_gate`` and ``ple_prefill`` in the ``"torch"`` backend, and their general paths,
+against the reference, bit for bit, across many blocks.
 
-Without autograd, on the CPU, ``ple.vectorized.ple_prefill`` (no conv state) and ``ple_gate`` work through
-their rows in blocks (``gate.block_rows``; at least 64 rows): scratch buffers reused block after block, a
-conv window carried from one block to the next, the score's sigmoid between two passes, and the first S
-rows of every packed sequence but the first recomputed without the sequence before. At the small widths of
-the kit one block holds every row, so none of that would be reached; here ``BLOCK_BYTES`` is shrunk so
-that a case of a few hundred rows spans several blocks, with sequences of every length (empty ones, ones
-shorter than S, ones crossing a block edge; now and then a single block), ``keep`` masks and exact zeros
-in the inputs (signed zeros are compared too: ``torch.equal`` on the bits).
+Without autograd, on the CPU, ``ple.vectorized.ple_prefill`` (no conv state) and ``ple_gate`` (more than one
+block of rows) work through their rows in blocks of ``gate.BLOCK_ROWS`` (64) rows: scratch buffers reused
+block after block, a conv window carried from one block to the next and zeroed before every packed
+sequence's start, the score's sigmoid between two passes. Here cases of a few hundred rows span several
+blocks, with sequences of every length (empty ones, ones shorter than S, ones crossing a block edge, many
+starting in one block; now and then a single block), ``keep`` masks and exact zeros in the inputs (signed
+zeros are compared too: ``torch.equal`` on the bits). The same cases also go through the general paths
+(the whole-batch gate, the composition of gate and conv), forced, so that each path is compared with the
+reference on its own.
 """
 
 from __future__ import annotations
@@ -15,19 +17,38 @@ from __future__ import annotations
 import pytest
 import torch
 from _tier import examples
-from hypothesis import example, given, note, settings
+from hypothesis import HealthCheck, example, given, note, settings
 from hypothesis import strategies as st
 
 import ple.reference as ref
 import ple.vectorized as vec
 import ple.vectorized.gate as vec_gate
+import ple.vectorized.prefill as vec_prefill
+import ple.vectorized.training_conv as vec_training_conv
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+PATHS = ("fast", "general")
 
 
-@pytest.fixture(autouse=True)
-def small_blocks(monkeypatch):
-    monkeypatch.setattr(vec_gate, "BLOCK_BYTES", 1)            # block_rows -> its minimum, 64 rows
+@pytest.fixture(params=PATHS)
+def path(request, monkeypatch) -> tuple[str, list[str]]:
+    """``"fast"``: the ops as they are; ``"general"``: every op's fast path refused (``takes_blocked_path`` of
+    the gate and the prefill, ``takes_slice_path`` of the conv), so the general paths run on the CPU without
+    autograd. Returns the path and the list of blocked paths that ran (``"gate"``, ``"prefill"``), filled
+    as they run."""
+    ran: list[str] = []
+    if request.param == "general":
+        monkeypatch.setattr(vec_gate, "takes_blocked_path", lambda *a: False)
+        monkeypatch.setattr(vec_prefill, "takes_blocked_path", lambda *a: False)
+        monkeypatch.setattr(vec_training_conv, "takes_slice_path", lambda: False)
+    for module, name, tag in ((vec_gate, "BlockGate", "gate"), (vec_prefill, "_forward_blocked", "prefill")):
+        real = getattr(module, name)
+
+        def spy(*args, real=real, tag=tag):
+            ran.append(tag)
+            return real(*args)
+        monkeypatch.setattr(module, name, spy)
+    return request.param, ran
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -66,30 +87,39 @@ def _case(lens, **kw):
     return dict(dict(H=4, C=8, lens=lens, K=4, dilation=3, dtype=torch.float32, keep=False, zeros=False, seed=1), **kw)
 
 
+FIXTURE = [HealthCheck.function_scoped_fixture]          # `path` patches once per test, not per example
+
+
 @given(case=blocked_cases())
-@settings(max_examples=examples(30), deadline=None)
-# A block of many starts (summed whole, heads recomputed) whose last sequence starts within S = 9 rows of the
-# block's end and runs on into the next block (which must read zeros before it), and the same with few starts
-# (summed in segments); bfloat16 for both; a history longer than the least block.
+@settings(max_examples=examples(30), deadline=None, suppress_health_check=FIXTURE)
+# A block of many starts whose last sequence starts within S = 9 rows of the block's end and runs on into the
+# next block (which must read zeros before it), and the same with few starts; bfloat16 too; a history longer
+# than a block.
 @example(case=_case([3, 3, 3, 3, 3, 43, 100]))
 @example(case=_case([20, 40, 100]))
 @example(case=_case([3, 3, 3, 3, 3, 43, 100], dtype=torch.bfloat16))
 @example(case=_case([100, 30, 170], K=3, dilation=40))          # S = 80: blocks of 128 rows, history > 64 rows
-def test_blocked_prefill_is_the_reference_bit_for_bit(case):
+def test_prefill_paths_are_the_reference_bit_for_bit(path, case):
     note(repr(case))
+    which, ran = path
     args, kw = make(case)
+    ran.clear()
     with torch.no_grad():
         got, want = vec.ple_prefill(*args, **kw), ref.ple_prefill(*args, **kw)
+    assert ("prefill" in ran) == (which == "fast")
     assert torch.equal(bits(got), bits(want))
 
 
 @given(case=blocked_cases())
-@settings(max_examples=examples(20), deadline=None)
-def test_blocked_gate_is_the_reference_bit_for_bit(case):
+@settings(max_examples=examples(20), deadline=None, suppress_health_check=FIXTURE)
+def test_gate_paths_are_the_reference_bit_for_bit(path, case):
     note(repr(case))
+    which, ran = path
     args, _ = make(case)
+    ran.clear()
     with torch.no_grad():
         got, want = vec.ple_gate(*args[:7]), ref.ple_gate(*args[:7])
+    assert ("gate" in ran) == (which == "fast" and sum(case["lens"]) > vec_gate.BLOCK_ROWS)
     for a, b in zip(got, want):
         assert torch.equal(bits(a), bits(b))
 
@@ -97,10 +127,10 @@ def test_blocked_gate_is_the_reference_bit_for_bit(case):
 # ---- corners found in review: products that underflow, non-finite values ---------------------------------
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_product_that_underflows_rounds_as_the_reference(dtype):
+def test_a_product_that_underflows_rounds_as_the_reference(path, dtype):
     """A tap product below the float32 (float64) range is a negative zero: ``0 + p`` is +0 in the reference,
     where a fused multiply-add would keep -0 (it reached the output through zero gated values and hidden
-    states); blocked prefill and the unblocked conv both."""
+    states); the prefill and the conv, each path."""
     tiny, small = (1e-200, -1e-150) if dtype == torch.float64 else (1e-30, -1e-20)
     key, hidden = torch.ones(2, 1, dtype=dtype), torch.tensor([[1.0], [-0.0]], dtype=dtype)
     value, zero = torch.tensor([[tiny], [-0.0]], dtype=dtype), torch.zeros(1, dtype=dtype)
@@ -110,12 +140,13 @@ def test_a_product_that_underflows_rounds_as_the_reference(dtype):
         got, want = (f(key, value, hidden, zero, zero, zero, 1e-6, w, **kw) for f in (vec.ple_prefill, ref.ple_prefill))
         assert torch.equal(bits(got), bits(want))
         x = torch.tensor([[tiny], [-0.0]], dtype=dtype)
-        assert torch.equal(bits(vec.dilated_causal_conv(x, w, dilation=1)), bits(ref.dilated_causal_conv(x, w, dilation=1)))
+        got, want = (f(x, w, dilation=1) for f in (vec.dilated_causal_conv, ref.dilated_causal_conv))
+        assert torch.equal(bits(got), bits(want))
 
 
 @pytest.mark.parametrize("lens", [[3, 3, 3, 3, 3, 3, 10], [3, 3, 20]])         # many starts in a block; a few
 @pytest.mark.parametrize("bad", [float("inf"), float("nan")])
-def test_non_finite_values_give_the_reference_bits(lens, bad):
+def test_non_finite_values_give_the_reference_bits(path, lens, bad):
     """A non-finite conv weight multiplies the zero history as in the reference (inf * 0 is NaN there too),
     and a non-finite conv input of one sequence does not leak into the next (the packed unblocked conv's
     masked terms zero the input, not the product)."""

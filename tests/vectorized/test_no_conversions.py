@@ -1,5 +1,5 @@
 """With ``validate=False`` the ``"torch"`` backend's ops (``ple.vectorized``) turn no tensor into a Python
-value (SPEC section 7: a serving step makes no device-to-host synchronisation), and they trace under
+value (docs/spec.md section 7: a serving step makes no device-to-host synchronisation), and they trace under
 ``torch.compile(fullgraph=True)``; with ``validate=True`` (the default) the value checks still run.
 
 On the CPU, `count_host_conversions` sees every Python-level conversion (``.item``, ``.tolist``,
