@@ -26,6 +26,8 @@ from .reference.gate import stream_gates
 from .state import PLECache
 from .testing.serving import check_replay, random_script, replay
 
+__all__ = ["main"]
+
 SIZES = {
     # name: (preset, overrides, requests, max live, max prompt, max chunk, max generate)
     "tiny": ("tiny", {}, 12, 4, 40, 16, 12),
@@ -75,11 +77,11 @@ def _gate_stats(layer: PLELayer, hidden: torch.Tensor, ids: torch.Tensor) -> lis
     """Per-stream statistics of the gate g (0.5 = indifferent) over a forward pass's tokens."""
     cfg = layer.config
     B, L, C = hidden.shape
-    qsl = torch.arange(B + 1, device=hidden.device) * L
+    query_start_loc = torch.arange(B + 1, device=hidden.device) * L
     with torch.no_grad():
         hid = layer.ops.ngram_ids(ids.reshape(-1), layer.ple_embedding.hash_params(),
                                   heads_per_ngram=cfg.heads_per_ngram, eos_token_id=cfg.eos_token_id,
-                                  query_start_loc=qsl)
+                                  query_start_loc=query_start_loc)
         key = torch.nn.functional.linear(layer.embed(hid, hidden.dtype), layer.key_proj.weight)
         g = stream_gates(key, hidden.reshape(B * L, C), layer.norm_key.weight, layer.norm_query.weight,
                          cfg.hidden_size, cfg.rms_norm_eps)

@@ -44,7 +44,7 @@ __all__ = ["PLELayer", "GroupedRMSNorm", "NGramEmbedding", "Intermediates"]
 class Intermediates(NamedTuple):
     """What ``layer(h, ids, return_intermediates=True)`` returns: every value on the way, ``[B, L, ...]``.
 
-    ``scores`` and ``gates`` are the per-stream score ``s`` and gate ``g`` (SPEC section 4,
+    ``scores`` and ``gates`` are the per-stream score ``s`` and gate ``g`` (docs/spec.md section 4,
     ``ple.reference.gate``), recomputed by the reference from ``key`` and the hidden states;
     ``conv`` is the conv term ``y``. ``output = (gated + conv) + hidden_states`` (padding
     positions: ``gated`` and ``conv_input`` are zero there, ids are those of EOS).
@@ -105,6 +105,17 @@ class NGramEmbedding(nn.Module):
         self.register_buffer("ngram_heads_vocab_sizes", params.head_sizes.to(device))
         self.register_buffer("ngram_heads_offsets", params.head_offsets.to(device))
         self.vocab_size = config.vocab_size
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        """``load_state_dict``: multipliers that could overflow int64 for a token id below ``vocab_size`` are a
+        ``ValueError`` naming ``params`` (docs/spec.md section 3), raised before anything of this module is loaded. The
+        check reads the checkpoint's values here, where they already are, so a step (which hashes with
+        ``validate=False``) reads nothing; buffers built from the config are valid by construction."""
+        key = prefix + "layer_multipliers"
+        multipliers = state_dict.get(key)
+        if isinstance(multipliers, torch.Tensor) and multipliers.device.type != "meta":
+            _checks.multipliers_values(f"params ({key})", _checks.host_list(multipliers), self.vocab_size)
+        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def hash_params(self) -> HashParams:
         """The hash parameters as stored in this module's buffers (so loaded buffers are what is used)."""

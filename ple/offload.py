@@ -9,7 +9,7 @@ gathers the rows on the host and copies them over; only ``T * NH`` rows cross th
 (``ple.table``) does this itself; this module holds the machinery.
 
 ``layer.start_prefetch(input_ids, query_start_loc, ngram_context)`` takes the arguments
-of ``ngram_ids`` (SPEC section 3), hashes them (on the tokens' device) and hands the ids
+of ``ngram_ids`` (docs/spec.md section 3), hashes them (on the tokens' device) and hands the ids
 to ``table.prefetch``, which starts fetching the rows, so the work overlaps the
 preceding decoder layer:
 

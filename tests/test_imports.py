@@ -18,7 +18,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1] / "ple"
 
 LAYERS = [
-    ("bottom", ["ple.config", "ple._progress", "ple._checks", "ple.quant", "ple.params"]),
+    ("bottom", ["ple.config", "ple._progress", "ple._checks", "ple.quant", "ple.params", "ple._deprecation"]),
     ("ops", ["ple.backends", "ple.reference", "ple.vectorized", "ple.fast"]),
     ("table", ["ple.table", "ple.offload"]),
     ("layer", ["ple.layer"]),

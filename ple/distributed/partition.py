@@ -17,6 +17,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass
 
+from .._deprecation import deprecated_parameter
 from ..io.layout import shard_rows
 
 __all__ = ["even_bounds", "shard_range", "check_bounds", "fragments", "HaloPlan", "halo_plan"]
@@ -54,17 +55,19 @@ def check_bounds(name: str, bounds: object, total: int, world_size: int) -> list
     return b
 
 
-def fragments(starts: list[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
+@deprecated_parameter("starts", "query_start_loc_list", since="0.1.0")
+def fragments(query_start_loc_list: list[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
     """The pieces of requests inside rows ``[lo, hi)``: ``(request, start, end)`` in row order.
 
-    ``starts`` are the request offsets (``[R + 1]``); empty requests have no piece.
+    ``query_start_loc_list`` are the request offsets (``[R + 1]``, a list); empty requests have no piece.
+    (The keyword ``starts=`` still works and warns: deprecated.)
     """
     out: list[tuple[int, int, int]] = []
     if hi <= lo:
         return out
-    r = bisect_right(starts, lo) - 1
-    while r < len(starts) - 1 and starts[r] < hi:
-        a, b = max(starts[r], lo), min(starts[r + 1], hi)
+    r = bisect_right(query_start_loc_list, lo) - 1
+    while r < len(query_start_loc_list) - 1 and query_start_loc_list[r] < hi:
+        a, b = max(query_start_loc_list[r], lo), min(query_start_loc_list[r + 1], hi)
         if b > a:
             out.append((r, a, b))
         r += 1
@@ -88,7 +91,7 @@ class HaloPlan:
     sends: tuple[tuple[int, int, int], ...]
 
 
-def halo_starts(bounds: list[int], starts: list[int], history: int) -> list[int]:
+def halo_starts(bounds: list[int], query_start_loc_list: list[int], history: int) -> list[int]:
     """For every rank, the global row its halo starts at (its own first row if it needs none).
 
     A rank needs the rows before its first row that belong to the request of that
@@ -101,19 +104,21 @@ def halo_starts(bounds: list[int], starts: list[int], history: int) -> list[int]
         if hi == lo or history == 0:
             need.append(lo)
             continue
-        first = starts[bisect_right(starts, lo) - 1]        # start of the request holding row lo
+        first = query_start_loc_list[bisect_right(query_start_loc_list, lo) - 1]   # start of row lo's request
         need.append(max(first, lo - history))
     return need
 
 
-def halo_plan(bounds: list[int], starts: list[int], history: int, rank: int) -> HaloPlan:
-    """The halo exchange of ``rank`` for a split ``bounds`` of requests ``starts`` (both global offsets).
+@deprecated_parameter("starts", "query_start_loc_list", since="0.1.0")
+def halo_plan(bounds: list[int], query_start_loc_list: list[int], history: int, rank: int) -> HaloPlan:
+    """The halo exchange of ``rank`` for a split ``bounds`` of requests ``query_start_loc_list`` (both global
+    offsets, lists). (The keyword ``starts=`` still works and warns: deprecated.)
 
     The halo of a rank may come from several earlier ranks when they hold fewer than
     ``history`` rows. Every rank receives at most ``history`` rows, so one exchange
     moves at most ``(W - 1) * history`` rows in all, whatever the number of tokens.
     """
-    need = halo_starts(bounds, starts, history)
+    need = halo_starts(bounds, query_start_loc_list, history)
     W = len(bounds) - 1
     recvs, off = [], 0
     for q in range(rank):

@@ -68,19 +68,20 @@ def _cumsum(lengths) -> list[int]:
     return out
 
 
-def local_ngram_ids(layer: PLELayer, input_ids: torch.Tensor, local_starts: list[int],
+def local_ngram_ids(layer: PLELayer, input_ids: torch.Tensor, query_start_loc_list: list[int],
                     contexts: torch.Tensor | list[list[int]], *, validate: bool = True) -> torch.Tensor:
-    """Hash ids ``[T_k, NH]`` of request pieces cut by ``local_starts``, each with its n-gram context
-    (``contexts``: a ``[pieces, N-1]`` int64 tensor on the tokens' device, or nested lists)."""
+    """Hash ids ``[T_k, NH]`` of this rank's request pieces, cut by ``query_start_loc_list`` (their offsets in
+    this rank's rows), each with its n-gram context (``contexts``: a ``[pieces, N-1]`` int64 tensor on the
+    tokens' device, or nested lists)."""
     cfg = layer.config
     dev = input_ids.device
-    if len(local_starts) == 1:                                  # no rows here (the ops want a request)
+    if len(query_start_loc_list) == 1:                                # no rows here (the ops want a request)
         return torch.zeros((0, cfg.num_ngram_heads), dtype=torch.int64, device=dev)
     if not isinstance(contexts, torch.Tensor):
         contexts = torch.tensor(contexts, dtype=torch.int64, device=dev).reshape(len(contexts), cfg.context_len)
     return layer.ops.ngram_ids(
         input_ids, layer.ple_embedding.hash_params(), heads_per_ngram=cfg.heads_per_ngram,
-        eos_token_id=cfg.eos_token_id, query_start_loc=torch.tensor(local_starts, device=dev),
+        eos_token_id=cfg.eos_token_id, query_start_loc=torch.tensor(query_start_loc_list, device=dev),
         ngram_context=contexts, validate=validate)
 
 
@@ -133,13 +134,14 @@ def sp_forward(layer: PLELayer, hidden_states: torch.Tensor, input_ids: torch.Te
     layer._check_hidden(hidden_states, 2)
     dev = hidden_states.device
     if isinstance(cu_seqlens, (list, tuple)):                       # host metadata: no device read at all
-        starts = _host_offsets("cu_seqlens", cu_seqlens)
-        total = starts[-1]
+        cu_seqlens_list = _host_offsets("cu_seqlens", cu_seqlens)
+        total = cu_seqlens_list[-1]
     else:
         _checks.tensor("cu_seqlens", cu_seqlens, ndim=1, kind="int", device=dev)
         host = _checks.host_list(cu_seqlens)                         # one device-to-host copy
         total = host[-1] if host else 0
-        starts = _checks.offsets_arg("cu_seqlens", cu_seqlens, total=total, device=dev, host={"cu_seqlens": host})
+        cu_seqlens_list = _checks.offsets_arg("cu_seqlens", cu_seqlens, total=total, device=dev,
+                                              host={"cu_seqlens": host})
     W, k = comm.world_size, comm.rank
     bounds = even_bounds(total, W) if bounds is None else check_bounds("bounds", bounds, total, W)
     lo, hi = bounds[k], bounds[k + 1]
@@ -152,21 +154,21 @@ def sp_forward(layer: PLELayer, hidden_states: torch.Tensor, input_ids: torch.Te
     cfg = layer.config
     ops = layer.ops
     N1, eos = cfg.context_len, cfg.eos_token_id
-    frags = fragments(starts, lo, hi)
-    local_starts = _cumsum(b - a for _, a, b in frags)
+    frags = fragments(cu_seqlens_list, lo, hi)
+    local_cu_seqlens_list = _cumsum(b - a for _, a, b in frags)            # the pieces' offsets in our rows
 
     # n-gram context of a sequence continued from an earlier rank: its last N-1 tokens there.
-    tok_plan = halo_plan(bounds, starts, N1, k)
+    tok_plan = halo_plan(bounds, cu_seqlens_list, N1, k)
     tok_halo = halo_exchange(input_ids.to(torch.int64), tok_plan, comm, "token_halo")
     ctx = torch.full((len(frags), N1), eos, dtype=torch.int64, device=dev)
     if frags and tok_plan.num_recv:                                  # on the device: no host read of the halo
         ctx[0] = torch.cat([ctx[0], tok_halo])[-N1:]
-    ids = local_ngram_ids(layer, input_ids, local_starts, ctx, validate=validate)
+    ids = local_ngram_ids(layer, input_ids, local_cu_seqlens_list, ctx, validate=validate)
     counts = [bounds[r + 1] - bounds[r] for r in range(W)]
     emb = _embed(layer, ids, hidden_states.dtype, counts, comm)           # [T_k, E]
     gated, conv_input = layer.gate(emb, hidden_states)                   # [T_k, C] each
-    y = sp_dilated_causal_conv(conv_input, layer.conv_weights, dilation=cfg.conv_dilation, cu_seqlens=starts,
-                               group=comm, bounds=bounds, exchange=exchange, ops=ops)
+    y = sp_dilated_causal_conv(conv_input, layer.conv_weights, dilation=cfg.conv_dilation,
+                               cu_seqlens=cu_seqlens_list, group=comm, bounds=bounds, exchange=exchange, ops=ops)
     return (gated + y) + hidden_states
 
 
@@ -189,9 +191,10 @@ def sp_dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: i
     if ops is None:
         from .. import reference as ops
     comm = as_comm(group)
-    starts = list(cu_seqlens) if isinstance(cu_seqlens, (list, tuple)) else _checks.host_list(cu_seqlens)
+    cu_seqlens_list = list(cu_seqlens) if isinstance(cu_seqlens, (list, tuple)) else _checks.host_list(cu_seqlens)
     W, k = comm.world_size, comm.rank
-    bounds = even_bounds(starts[-1], W) if bounds is None else check_bounds("bounds", bounds, starts[-1], W)
+    total = cu_seqlens_list[-1]
+    bounds = even_bounds(total, W) if bounds is None else check_bounds("bounds", bounds, total, W)
     lo, hi = bounds[k], bounds[k + 1]
     if x.shape[0] != hi - lo:
         raise ValueError(f"x: rank {k} holds rows [{lo}, {hi}), expected {hi - lo} rows, got {x.shape[0]}")
@@ -201,11 +204,11 @@ def sp_dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: i
         counts = [bounds[r + 1] - bounds[r] for r in range(W)]
         full = all_gather_rows(x, counts, comm, "conv_allgather")            # [T, C]
         return ops.dilated_causal_conv(full, weight, dilation=dilation,
-                                       cu_seqlens=torch.tensor(starts, device=dev), validate=False)[lo:hi]
-    plan = halo_plan(bounds, starts, S, k)
+                                       cu_seqlens=torch.tensor(cu_seqlens_list, device=dev), validate=False)[lo:hi]
+    plan = halo_plan(bounds, cu_seqlens_list, S, k)
     halo = halo_exchange(x, plan, comm, "conv_halo")                         # [<= S, C]
     ext = torch.cat([halo, x], dim=0)
-    lens = [b - a for _, a, b in fragments(starts, lo, hi)]
+    lens = [b - a for _, a, b in fragments(cu_seqlens_list, lo, hi)]
     if not lens:                                                              # no rows here (and no halo)
         return ext
     lens[0] += plan.num_recv                                                  # the halo opens the first piece

@@ -76,37 +76,37 @@ def sp_step(layer: PLELayer, hidden_states: torch.Tensor, batch: StepBatch, cach
     cfg = layer.config
     ops = layer.ops
     N1 = cfg.context_len
-    starts = batch.host.query_start_loc
-    frags = fragments(starts, lo, hi)
-    local_starts = _cumsum(b - a for _, a, b in frags)
+    query_start_loc_list = batch.host.query_start_loc
+    frags = fragments(query_start_loc_list, lo, hi)
+    local_query_start_loc_list = _cumsum(b - a for _, a, b in frags)     # the pieces' offsets in our rows
 
     # n-gram ids of the local rows: a piece that continues a request hashes with the tokens before it.
     contexts = batch.host.ngram_context
-    ctx = [(contexts[r] + batch.tokens_host[r][: a - starts[r]])[-N1:] for r, a, _ in frags]
-    ids = local_ngram_ids(layer, batch.input_ids[lo:hi], local_starts, ctx)
+    ctx = [(contexts[r] + batch.tokens_host[r][: a - query_start_loc_list[r]])[-N1:] for r, a, _ in frags]
+    ids = local_ngram_ids(layer, batch.input_ids[lo:hi], local_query_start_loc_list, ctx)
     counts = [bounds[r + 1] - bounds[r] for r in range(W)]
     emb = _embed(layer, ids, hidden_states.dtype, counts, comm)          # [T_k, E]
     out, conv_input = layer.gate(emb, hidden_states)                     # gated becomes the output in place
-    state = cache.conv_state(index)                                      # [num_slots, C, W] view
+    conv_state = cache.conv_state(index)                                 # [num_slots, C, W] view
     weights = layer.conv_weights.to(conv_input.dtype)
 
-    cache.realign_windows(batch, index, state)
+    cache.realign_windows(batch, index, conv_state)
 
     if exchange == "allgather":
-        _conv_allgather(ops, conv_input, out, hidden_states, state, weights, batch, cache, comm, counts,
+        _conv_allgather(ops, conv_input, out, hidden_states, conv_state, weights, batch, cache, comm, counts,
                         lo, hi)
     else:
-        _conv_halo(ops, conv_input, out, hidden_states, state, weights, batch, cache, comm, bounds, starts,
-                   frags, local_starts)
+        _conv_halo(ops, conv_input, out, hidden_states, conv_state, weights, batch, cache, comm, bounds,
+                   query_start_loc_list, frags, local_query_start_loc_list)
     cache.end_layer(batch, index)
     return out
 
 
-def _conv_allgather(ops, conv_input, out, hidden, state, weights, batch, cache, comm, counts, lo, hi):
+def _conv_allgather(ops, conv_input, out, hidden, conv_state, weights, batch, cache, comm, counts, lo, hi):
     """Every rank runs the whole step's conv on all-gathered inputs, exactly as `layer_step` does."""
     full = comm.all_gather_rows(conv_input, counts, "conv_allgather")   # [T, C]
     y = torch.zeros_like(full)
-    step_conv(ops, full, y, state, weights, batch, cache)
+    step_conv(ops, full, y, conv_state, weights, batch, cache)
     # The same rounding as one process: (gated + y) + hidden.
     out.add_(y[lo:hi])
     out.add_(hidden)
@@ -146,16 +146,17 @@ class _Requests:
                     self.checkpoint[-1] = (ck_off[jp], ck_slot[jp])
                 jp += 1
 
-    def window(self, r: int, state: torch.Tensor, S: int, dtype) -> torch.Tensor:
-        """The ``[S, C]`` history request r starts this step from (state before the step)."""
-        slot, o = self.slot[r], self.offset[r]
+    def window(self, r: int, conv_state: torch.Tensor, state_len: int, dtype) -> torch.Tensor:
+        """The ``[S, C]`` history (S = ``state_len``) request r starts this step from (its conv state before the
+        step)."""
+        S, slot, o = state_len, self.slot[r], self.offset[r]
         if self.has_initial[r]:
-            return state[slot, :, o:o + S].T.to(dtype)
-        return torch.zeros(S, state.shape[1], dtype=dtype, device=state.device)
+            return conv_state[slot, :, o:o + S].T.to(dtype)
+        return torch.zeros(S, conv_state.shape[1], dtype=dtype, device=conv_state.device)
 
 
-def _conv_halo(ops, conv_input, out, hidden, state, weights, batch, cache, comm, bounds, starts, frags,
-               local_starts):
+def _conv_halo(ops, conv_input, out, hidden, conv_state, weights, batch, cache, comm, bounds, query_start_loc_list,
+               frags, local_query_start_loc_list):
     S = cache.state_len
     C = conv_input.shape[1]
     dt, dev = conv_input.dtype, conv_input.device
@@ -166,31 +167,32 @@ def _conv_halo(ops, conv_input, out, hidden, state, weights, batch, cache, comm,
 
     # 1. Outputs. Each local piece of a request runs as a prefill from its own history: the request's
     #    window, then (for a piece continued from an earlier rank) the halo received from there.
-    plan = halo_plan(bounds, starts, S, k)
+    plan = halo_plan(bounds, query_start_loc_list, S, k)
     halo = halo_exchange(conv_input, plan, comm, "conv_halo")           # [<= S, C]
     if frags:
         scratch = conv_input.new_zeros((len(frags) + 1, C, S))          # slot 0: null
-        slots = []
+        state_indices_list = []                                         # the pieces' slots in scratch
         for f, (r, a, _) in enumerate(frags):
             if req.slot[r] == null:
-                slots.append(0)
+                state_indices_list.append(0)
                 continue
-            hist = req.window(r, state, S, dt)
-            if a > starts[r]:                                           # only the first piece: halo rows
+            hist = req.window(r, conv_state, S, dt)
+            if a > query_start_loc_list[r]:                             # only the first piece: halo rows
                 hist = torch.cat([hist, halo], dim=0)[halo.shape[0]:]
             scratch[f + 1] = hist.T
-            slots.append(f + 1)
+            state_indices_list.append(f + 1)
         n = len(frags)
-        ops.ple_conv(conv_input, out, scratch, weights, torch.tensor(slots, dtype=torch.int32, device=dev),
+        ops.ple_conv(conv_input, out, scratch, weights,
+                     torch.tensor(state_indices_list, dtype=torch.int32, device=dev),
                      mode="prefill", dilation=cache.config.conv_dilation,
-                     query_start_loc=torch.tensor(local_starts, dtype=torch.int32, device=dev),
+                     query_start_loc=torch.tensor(local_query_start_loc_list, dtype=torch.int32, device=dev),
                      has_initial_states=torch.ones(n, dtype=torch.bool, device=dev),
                      outer_residual=hidden, null_slot=0)
 
     # 2. States. Every rank updates every request's state, so it needs the inputs that end up there.
     needed: set[int] = set()
     for r in range(len(req.slot)):
-        a, b = starts[r], starts[r + 1]
+        a, b = query_start_loc_list[r], query_start_loc_list[r + 1]
         if b == a or req.slot[r] == null:
             continue
         needed.update(range(a if req.mode[r] == "spec" else max(a, b - S), b))
@@ -210,14 +212,14 @@ def _conv_halo(ops, conv_input, out, hidden, state, weights, batch, cache, comm,
 
     updates = []                                                        # read every state before writing any
     for r in range(len(req.slot)):
-        a, b = starts[r], starts[r + 1]
+        a, b = query_start_loc_list[r], query_start_loc_list[r + 1]
         slot = req.slot[r]
         if b == a or slot == null:
             continue
         if req.mode[r] == "spec":
-            keep = torch.cat([req.window(r, state, S, dt), inputs(a, b)], dim=0)[1:]
+            keep = torch.cat([req.window(r, conv_state, S, dt), inputs(a, b)], dim=0)[1:]
         else:
-            hist = torch.cat([req.window(r, state, S, dt), inputs(max(a, b - S), b)], dim=0)
+            hist = torch.cat([req.window(r, conv_state, S, dt), inputs(max(a, b - S), b)], dim=0)
             keep = hist[hist.shape[0] - S:]
         updates.append((slot, keep))
         ck = req.checkpoint[r]
@@ -225,4 +227,4 @@ def _conv_halo(ops, conv_input, out, hidden, state, weights, batch, cache, comm,
             off, ck_slot = ck
             updates.append((ck_slot, inputs(a + off - S, a + off)))
     for slot, keep in updates:
-        state[slot, :, : keep.shape[0]] = keep.T.to(state.dtype)
+        conv_state[slot, :, : keep.shape[0]] = keep.T.to(conv_state.dtype)

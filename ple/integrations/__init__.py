@@ -5,3 +5,5 @@
 
 Importing this package imports none of them.
 """
+
+__all__: list[str] = []

@@ -140,7 +140,7 @@ class DiskTable(Table):
             k, d = index[id(p)]
             view_of.append(k)
             delta.append(d)
-        self._starts = torch.tensor([p.start for p in self._pieces] + [num_rows], dtype=torch.int64)
+        self._piece_starts = torch.tensor([p.start for p in self._pieces] + [num_rows], dtype=torch.int64)
         self._delta = torch.tensor(delta, dtype=torch.int64)
         self._view_of = torch.tensor(view_of, dtype=torch.int64)
 
@@ -320,7 +320,7 @@ class DiskTable(Table):
         out = torch.empty((ids.numel(), self._units), dtype=self._unit)
         if not ids.numel():
             return out
-        piece = torch.searchsorted(self._starts, ids, right=True) - 1
+        piece = torch.searchsorted(self._piece_starts, ids, right=True) - 1
         checked = set()
         for k in torch.unique(piece).tolist():                           # before any byte of a file is read
             p = self._pieces[k]

@@ -94,7 +94,7 @@ class StepBatch:
     host: StepHost                       # the index tensors' values as Python ints
     items: list[Prefill | Decode | Spec]  # the scheduled items and their tokens, for the bookkeeping
     tokens_host: list[list[int]]
-    version: int                         # the cache's version when scheduled (SPEC section 7)
+    version: int                         # the cache's version when scheduled (docs/spec.md section 7)
     owner: object = None                 # the identity of the cache that scheduled it
     slot_generations: dict[int, int] = field(default_factory=dict)   # slot -> its generation when scheduled
     pad_to: int | None = None            # padded to this many requests (a persistent buffer)
@@ -130,15 +130,15 @@ def general_layout(cache: PLECache, parsed: list[tuple[Prefill | Decode | Spec, 
     """`host_layout` of any batch."""
     null, eos = cache.null_slot, cache.config.eos_token_id
     N1 = cache.config.context_len
-    slots = cache._slots
-    rows: list[tuple[Any, list[int], list[int]]] = [(item, list(t), list(slots[item.slot].context))
+    records = cache._slots                                          # each slot's host bookkeeping
+    rows: list[tuple[Any, list[int], list[int]]] = [(item, list(t), list(records[item.slot].context))
                                                     for item, t in parsed]     # (item or None, tokens, context)
     # Padding rows (item None) are null-slot requests of the batch's own shape: decodes, or full spec steps.
     pad_kind = "Spec" if any(isinstance(item, Spec) for item, _ in parsed) else "Decode"
     if pad_to is not None:
         q = 1 if pad_kind == "Decode" else cache.num_spec_tokens + 1
         rows += [(None, [eos] * q, [eos] * N1)] * (pad_to - len(rows))
-    starts = _cumsum(len(t) for _, t, _ in rows)
+    query_start_loc_list = _cumsum(len(t) for _, t, _ in rows)
 
     def group(name: str) -> list[tuple[int, Any, list[int]]]:       # (row, item of that kind or None, tokens)
         return [(r, item, t) for r, (item, t, _) in enumerate(rows)
@@ -147,31 +147,32 @@ def general_layout(cache: PLECache, parsed: list[tuple[Prefill | Decode | Spec, 
     spec, dec, pre = group("Spec"), group("Decode"), group("Prefill")
 
     def rows_of(g: list[tuple[int, Any, list[int]]]) -> list[int]:
-        return [i for r, _, t in g for i in range(starts[r], starts[r] + len(t))]
+        return [i for r, _, t in g for i in range(query_start_loc_list[r], query_start_loc_list[r] + len(t))]
 
     def slot_of(item: Any) -> int:
         return null if item is None else item.slot
 
     host = StepHost(
         input_ids=[tok for _, t, _ in rows for tok in t],
-        query_start_loc=starts,
+        query_start_loc=query_start_loc_list,
         ngram_context=[c for _, _, c in rows],
         spec_token_indices=rows_of(spec),
         spec_query_start_loc=_cumsum(len(t) for _, _, t in spec),
         spec_state_indices=[slot_of(item) for _, item, _ in spec],
-        num_accepted_tokens=[1 if item is None else slots[item.slot].num_accepted for _, item, _ in spec],
+        num_accepted_tokens=[1 if item is None else records[item.slot].num_accepted for _, item, _ in spec],
         non_spec_token_indices=rows_of(dec) + rows_of(pre),
         state_indices=[slot_of(item) for _, item, _ in dec + pre],
         has_initial_states_d=[1] * len(dec),
-        has_initial_states_p=[int(slots[item.slot].started) for _, item, _ in pre],
+        has_initial_states_p=[int(records[item.slot].started) for _, item, _ in pre],
         query_start_loc_p=_cumsum(len(t) for _, _, t in pre),
         checkpoint_offsets=[item.checkpoint_at or 0 for _, item, _ in pre],
         checkpoint_slots=[item.checkpoint_slot or null for _, item, _ in pre],
     )
-    realign = [(item.slot, slots[item.slot].num_accepted - 1) for _, item, _ in dec + pre
-               if item is not None and slots[item.slot].num_accepted > 1]
+    realign = [(item.slot, records[item.slot].num_accepted - 1) for _, item, _ in dec + pre
+               if item is not None and records[item.slot].num_accepted > 1]
     scalars = dict(
-        num_tokens=starts[-1], num_spec_decodes=len(spec), num_spec_tokens=sum(len(t) for _, _, t in spec),
+        num_tokens=query_start_loc_list[-1], num_spec_decodes=len(spec),
+        num_spec_tokens=sum(len(t) for _, _, t in spec),
         spec_query_len=cache.num_spec_tokens + 1, num_decodes=len(dec), num_decode_tokens=len(dec),
         num_prefills=len(pre), num_prefill_tokens=sum(len(t) for _, _, t in pre),
         has_checkpoints=any(item.checkpoint_at for _, item, _ in pre) and cache.state_len > 0,
@@ -183,17 +184,17 @@ def decode_layout(cache: PLECache, parsed: list[tuple[Prefill | Decode | Spec, l
                    ) -> tuple[StepHost, dict[str, Any]]:
     """`host_layout` of a batch of decodes only, unpadded (the commonest step), written out directly: the values
     of `general_layout` (``tests/state/test_schedule_fast.py`` compares the two), in a quarter of its time."""
-    slots = cache._slots
+    records = cache._slots
     R = len(parsed)
     state_indices = [item.slot for item, _ in parsed]
     rows = list(range(R))
     host = StepHost(
         input_ids=[t[0] for _, t in parsed], query_start_loc=list(range(R + 1)),
-        ngram_context=[list(slots[s].context) for s in state_indices],
+        ngram_context=[list(records[s].context) for s in state_indices],
         spec_token_indices=[], spec_query_start_loc=[0], spec_state_indices=[], num_accepted_tokens=[],
         non_spec_token_indices=rows, state_indices=state_indices, has_initial_states_d=[1] * R,
         has_initial_states_p=[], query_start_loc_p=[0], checkpoint_offsets=[], checkpoint_slots=[])
-    realign = [(s, slots[s].num_accepted - 1) for s in state_indices if slots[s].num_accepted > 1]
+    realign = [(s, records[s].num_accepted - 1) for s in state_indices if records[s].num_accepted > 1]
     scalars = dict(
         num_tokens=R, num_spec_decodes=0, num_spec_tokens=0, spec_query_len=cache.num_spec_tokens + 1,
         num_decodes=R, num_decode_tokens=R, num_prefills=0, num_prefill_tokens=0, has_checkpoints=False,

@@ -13,7 +13,7 @@ Slot 0 is the null slot: never handed out, never read or written. A cache of
 ``num_slots`` slots therefore serves ``num_slots - 1`` requests at once.
 
 Bookkeeping that a spec step leaves behind: the request's state holds the
-windows ending at each token of the step (SPEC section 6); ``accept(slot, n)``
+windows ending at each token of the step (docs/spec.md section 6); ``accept(slot, n)``
 keeps the first n tokens (default: all), and the next step reads the window of
 the last kept token. A request that goes from spec steps back to prefill or
 decode has that window moved to columns ``[0, S)`` at the start of its next step
@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from .. import _checks
+from .._deprecation import deprecated_parameter
 from ..config import PLEConfig
 from .batch import StepBatch, build_plan
 from .items import Decode, Prefill, Spec, as_token_list
@@ -70,6 +71,11 @@ class PLECache:
     element per channel; ``ple/fast/conv_decode.py``). ``dtype`` defaults to the torch default dtype; inputs are
     stored in it. ``num_layers`` defaults to the config's PLE layer count (a cache for
     fewer layers serves PLE indices ``0..num_layers-1``; more is a ``ValueError``).
+
+    Capacity, for a scheduler: ``num_slots`` counts every slot, the null slot 0 included, so
+    the cache holds at most ``num_slots - 1`` requests at once; `free_slots` is how many more it
+    can take now (what `allocate` can still hand out) and `active_slots` lists the slots that
+    hold a request, so ``free_slots + len(active_slots()) == num_slots - 1`` always.
     """
 
     def __init__(self, config: PLEConfig, num_slots: int, *, num_spec_tokens: int = 0,
@@ -152,7 +158,15 @@ class PLECache:
         rows = [s.context if s.active else [eos] * self.config.context_len for s in self._slots]
         return torch.tensor(rows, dtype=torch.int64).reshape(self.num_slots, self.config.context_len)
 
+    @property
+    def free_slots(self) -> int:
+        """How many slots `allocate` can hand out now (an ``int``; the null slot is never one): the requests
+        the cache can still admit. ``num_slots - 1 - len(active_slots())``."""
+        return sum(not s.active for s in self._slots[1:])
+
     def active_slots(self) -> list[int]:
+        """The slots that hold a request now (allocated, not yet freed), in increasing order; never the null
+        slot."""
         return [i for i, s in enumerate(self._slots) if s.active]
 
     # ---- slots ---------------------------------------------------------------------------------
@@ -209,7 +223,7 @@ class PLECache:
         self._changed(slot, f"slot {slot} accepted {n} token(s)")
 
     def _changed(self, slot: int | None, what: str) -> None:
-        """Record a change that makes every batch scheduled before it stale (SPEC section 7)."""
+        """Record a change that makes every batch scheduled before it stale (docs/spec.md section 7)."""
         self._version += 1
         if slot is not None:
             self._generations[slot] += 1
@@ -319,7 +333,7 @@ class PLECache:
         """The parsed items of the commonest step, a batch of ``Decode`` items with ``int`` tokens on distinct,
         live, started slots and tokens in range, found in one short pass; None for anything else, which the
         general loop of `schedule` then parses (and, where something is wrong, names)."""
-        V, slots, n = self.config.vocab_size, self._slots, self.num_slots
+        V, records, n = self.config.vocab_size, self._slots, self.num_slots
         parsed: list[tuple[Prefill | Decode | Spec, list[int]]] = []
         seen: set[int] = set()
         for item in items:
@@ -329,7 +343,7 @@ class PLECache:
             if (type(slot) is not int or type(token) is not int or not 0 < slot < n or slot == self.null_slot
                     or slot in seen or not 0 <= token < V):
                 return None
-            s = slots[slot]
+            s = records[slot]
             if not (s.active and s.started):
                 return None
             seen.add(slot)
@@ -374,8 +388,11 @@ class PLECache:
         if self._in_flight is not None and self._in_flight is not batch:
             raise ValueError("batch: another step is in flight")
 
-    def realign_windows(self, batch: StepBatch, layer: int, state: torch.Tensor) -> None:
-        """Spec -> non-spec: move the window each such request reads to columns ``[0, S)`` of ``state``.
+    @deprecated_parameter("state", "conv_state", since="0.1.0")
+    def realign_windows(self, batch: StepBatch, layer: int, conv_state: torch.Tensor) -> None:
+        """Spec -> non-spec: move the window each such request reads to columns ``[0, S)`` of ``conv_state``
+        (PLE layer ``layer``'s ``[num_slots, C, W]`` view; the keyword ``state=`` still works and warns:
+        deprecated).
 
         Done once per slot and layer (recorded in the slot), so a step that fails after
         this and is run again does not move the window twice.
@@ -385,12 +402,12 @@ class PLECache:
             record = self._slots[slot].realigned
             if layer in record:
                 continue
-            state[slot, :, :S] = state[slot, :, offset:offset + S].clone()
+            conv_state[slot, :, :S] = conv_state[slot, :, offset:offset + S].clone()
             record.append(layer)
 
     def end_layer(self, batch: StepBatch, layer: int) -> None:
         """Record that ``layer`` ran; once the layer with the last PLE index has run, advance the
-        contexts and bookkeeping (SPEC section 7)."""
+        contexts and bookkeeping (docs/spec.md section 7)."""
         batch.layers_done.add(layer)
         self._in_flight = batch
         if layer != self.num_layers - 1:

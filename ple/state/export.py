@@ -54,8 +54,8 @@ class DecodeStep(nn.Module):
 
     def _cache_view(self, conv_states: torch.Tensor) -> SimpleNamespace:
         cache, index = self._cache, self.layer.ple_layer_index
-        state = conv_states[index]
-        view = state if self._layout == "channels_first" else state.transpose(1, 2)
+        conv_state = conv_states[index]
+        view = conv_state if self._layout == "channels_first" else conv_state.transpose(1, 2)
         return SimpleNamespace(config=cache.config, null_slot=cache.null_slot, conv_state=lambda _i: view)
 
     @torch.no_grad()
@@ -90,5 +90,5 @@ class DecodeStep(nn.Module):
         hidden = torch.zeros(R, C, dtype=self.layer.key_proj.weight.dtype, device=dev)
         ids = torch.zeros(R, dtype=torch.int64, device=dev)
         ctx = torch.full((R, n), self.layer.config.eos_token_id, dtype=torch.int64, device=dev)
-        slots = (torch.arange(R, device=dev) % max(cache.num_slots - 1, 1)) + 1
-        return hidden, ids, ctx, slots, torch.ones(R, dtype=torch.int64, device=dev), cache.conv_states
+        state_indices = (torch.arange(R, device=dev) % max(cache.num_slots - 1, 1)) + 1
+        return hidden, ids, ctx, state_indices, torch.ones(R, dtype=torch.int64, device=dev), cache.conv_states

@@ -80,15 +80,16 @@ def _tokens(value: object, n_max: int, vocab: int) -> bool:
     return isinstance(value, list) and len(value) <= n_max and all(_int(t) and 0 <= t < vocab for t in value)
 
 
-def _check_slots(path: str | os.PathLike, meta: dict[str, Any], cache: PLECache) -> list[dict[str, Any]]:
-    """The slot table of the record, each entry checked against the cache it is loaded into."""
-    slots = meta.get("slots")
+def _check_slot_table(path: str | os.PathLike, meta: dict[str, Any], cache: PLECache) -> list[dict[str, Any]]:
+    """The slot table of the record (its ``"slots"`` entry), each entry checked against the cache it is loaded
+    into."""
+    table = meta.get("slots")
     n = cache.num_slots
-    if not isinstance(slots, list) or len(slots) != n:
-        got = len(slots) if isinstance(slots, list) else type(slots).__name__
+    if not isinstance(table, list) or len(table) != n:
+        got = len(table) if isinstance(table, list) else type(table).__name__
         raise ValueError(f"path: {path}: the slot table has {got} entries, expected num_slots = {n}")
     V, N1, Q = cache.config.vocab_size, cache.config.context_len, cache.num_spec_tokens + 1
-    for i, s in enumerate(slots):
+    for i, s in enumerate(table):
         where = f"path: {path}: slot {i}"
         if not isinstance(s, dict) or set(s) != set(cache.SLOT_FIELDS):
             raise ValueError(f"{where}: expected the fields {list(cache.SLOT_FIELDS)}")
@@ -104,7 +105,7 @@ def _check_slots(path: str | os.PathLike, meta: dict[str, Any], cache: PLECache)
             raise ValueError(f"{where}: a field is out of range or of the wrong type: {s}")
         if i == cache.null_slot and s["active"]:
             raise ValueError(f"{where}: the null slot is marked active")
-    return slots
+    return table
 
 
 def load_cache(cls: type[PLECache], path: str | os.PathLike, *, device: Device = None) -> PLECache:
@@ -120,12 +121,12 @@ def load_cache(cls: type[PLECache], path: str | os.PathLike, *, device: Device =
     if tuple(states.shape) != tuple(cache.conv_states.shape):
         raise ValueError(f"path: {path}: conv_states has shape {tuple(states.shape)}, expected "
                          f"{tuple(cache.conv_states.shape)}")
-    slots = _check_slots(path, meta, cache)
+    table = _check_slot_table(path, meta, cache)
     eos = [config.eos_token_id] * config.context_len
-    want = torch.tensor([s["context"] if s["active"] else eos for s in slots], dtype=torch.int64)
+    want = torch.tensor([s["context"] if s["active"] else eos for s in table], dtype=torch.int64)
     if contexts.dtype != torch.int64 or not torch.equal(contexts, want.reshape(contexts.shape)
                                                         if contexts.numel() == want.numel() else want):
         raise ValueError(f"path: {path}: the contexts tensor disagrees with the slot table")
     cache.conv_states.copy_(states)
-    cache.restore_slot_table(slots)
+    cache.restore_slot_table(table)
     return cache

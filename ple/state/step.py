@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import _checks
+from .._deprecation import deprecated_parameter
 from .batch import StepBatch
 
 if TYPE_CHECKING:
@@ -78,19 +79,19 @@ def compute_step(layer: PLELayer, hidden_states: torch.Tensor, batch: StepBatch,
     ops = layer.ops
     emb = layer.hashed_rows(batch.input_ids, hidden_states.dtype, query_start_loc=batch.query_start_loc,
                             ngram_context=batch.ngram_context, validate=False)   # [T, E]
-    state = cache.conv_state(layer.ple_layer_index)                      # [num_slots, C, W] view
+    conv_state = cache.conv_state(layer.ple_layer_index)                 # [num_slots, C, W] view
     weights = layer.conv_weights.to(hidden_states.dtype)
     if uses_fused_prefill(batch):                                        # prefills only: one op
         key, value = layer.project(emb)
         return ops.ple_prefill(key, value, hidden_states, layer.norm_key.weight, layer.norm_query.weight,
                                layer.norm_conv.weight, layer.config.rms_norm_eps, weights,
                                dilation=cache.config.conv_dilation, query_start_loc=batch.query_start_loc_p,
-                               conv_state=state, state_indices=batch.state_indices,
+                               conv_state=conv_state, state_indices=batch.state_indices,
                                has_initial_states=batch.has_initial_states_p,
                                token_indices=batch.non_spec_token_indices, null_slot=cache.null_slot,
                                validate=False)
     out, conv_input = layer.gate(emb, hidden_states)                     # gated becomes the output in place
-    step_conv(ops, conv_input, out, state, weights, batch, cache, outer_residual=hidden_states)
+    step_conv(ops, conv_input, out, conv_state, weights, batch, cache, outer_residual=hidden_states)
     return out
 
 
@@ -100,33 +101,37 @@ def uses_fused_prefill(batch: StepBatch) -> bool:
     return not batch.num_spec_decodes and not batch.num_decodes and not batch.has_checkpoints
 
 
-def step_conv(ops: ModuleType | CustomOps, conv_input: torch.Tensor, residual: torch.Tensor, state: torch.Tensor,
-              weights: torch.Tensor, batch: StepBatch, cache: PLECache, *,
+@deprecated_parameter("state", "conv_state", since="0.1.0")
+def step_conv(ops: ModuleType | CustomOps, conv_input: torch.Tensor, residual: torch.Tensor,
+              conv_state: torch.Tensor, weights: torch.Tensor, batch: StepBatch, cache: PLECache, *,
               outer_residual: torch.Tensor | None = None) -> None:
     """The conv calls of one step, as a serving engine makes them, all through ``token_indices``.
 
     One ``ple_conv`` for the spec rows, one for the decodes, one for the prefills (then
-    their prefix-cache checkpoints); ``residual += y (+ outer_residual)`` in place.
+    their prefix-cache checkpoints); ``residual += y (+ outer_residual)`` in place. ``conv_state``
+    is the layer's ``[num_slots, C, W]`` view (``cache.conv_state(i)``; the keyword ``state=`` still
+    works and warns: deprecated).
     """
     cfg = cache.config
     common: dict[str, Any] = dict(dilation=cfg.conv_dilation, outer_residual=outer_residual, null_slot=cache.null_slot,
                   validate=False)                              # the plan was validated by cache.schedule
     if batch.num_spec_decodes:
-        ops.ple_conv(conv_input, residual, state, weights, batch.spec_state_indices, mode="spec",
+        ops.ple_conv(conv_input, residual, conv_state, weights, batch.spec_state_indices, mode="spec",
                      query_start_loc=batch.spec_query_start_loc, num_accepted_tokens=batch.num_accepted_tokens,
                      spec_query_len=batch.spec_query_len, token_indices=batch.spec_token_indices, **common)
     nd = batch.num_decode_tokens
     if batch.num_decodes:
-        ops.ple_conv(conv_input, residual, state, weights, batch.state_indices[:batch.num_decodes], mode="decode",
+        ops.ple_conv(conv_input, residual, conv_state, weights, batch.state_indices[:batch.num_decodes],
+                     mode="decode",
                      has_initial_states=None,          # every decode of a PLECache plan reads its history
                      token_indices=batch.non_spec_token_indices[:nd], **common)
     if batch.num_prefills:
         prefill_rows = batch.non_spec_token_indices[nd:]
-        ops.ple_conv(conv_input, residual, state, weights, batch.state_indices[batch.num_decodes:],
+        ops.ple_conv(conv_input, residual, conv_state, weights, batch.state_indices[batch.num_decodes:],
                      mode="prefill", query_start_loc=batch.query_start_loc_p,
                      has_initial_states=batch.has_initial_states_p, token_indices=prefill_rows, **common)
         if batch.has_checkpoints:
-            ops.export_conv_checkpoints(conv_input, state, query_start_loc=batch.query_start_loc_p,
+            ops.export_conv_checkpoints(conv_input, conv_state, query_start_loc=batch.query_start_loc_p,
                                         offsets=batch.checkpoint_offsets, slots=batch.checkpoint_slots,
                                         state_len=cfg.conv_state_len, token_indices=prefill_rows,
                                         null_slot=cache.null_slot, validate=False)

@@ -259,6 +259,32 @@ def test_slot_table_errors():
         PLECache(config, 3, layout="wc")
 
 
+def test_capacity_for_a_scheduler_num_slots_free_slots_active_slots(tmp_path):
+    """docs/spec.md section 7: ``num_slots`` counts the null slot; ``free_slots`` (an int property) is how many more
+    requests `allocate` can take now; ``active_slots()`` lists the live slots, in order, never the null slot."""
+    config = ple.PLEConfig.preset("tiny")
+    cache = PLECache(config, 5, num_layers=1)
+    assert isinstance(PLECache.__dict__["free_slots"], property)
+    assert (cache.num_slots, cache.free_slots, cache.active_slots()) == (5, 4, [])
+    assert type(cache.free_slots) is int
+    a, b, c = cache.allocate(), cache.allocate(), cache.allocate()
+    assert (cache.free_slots, cache.active_slots()) == (1, [1, 2, 3])
+    cache.free(b)
+    assert (cache.free_slots, cache.active_slots()) == (2, [1, 3])
+    d = cache.fork(a)                                       # a fork takes a slot
+    assert (d, cache.free_slots, cache.active_slots()) == (2, 1, [1, 2, 3])
+    cache.allocate()
+    assert (cache.free_slots, cache.active_slots()) == (0, [1, 2, 3, 4])
+    with pytest.raises(RuntimeError, match="full"):         # free_slots == 0: allocate refuses
+        cache.allocate()
+    cache.free(c)
+    cache.save(tmp_path / "cache.safetensors")
+    loaded = PLECache.load(tmp_path / "cache.safetensors")  # the slot table comes back with the file
+    assert (loaded.free_slots, loaded.active_slots()) == (1, [1, 2, 4])
+    for live in (cache, loaded):
+        assert live.free_slots + len(live.active_slots()) == live.num_slots - 1
+
+
 def test_stale_batches_and_bad_hidden_are_rejected():
     config = ple.PLEConfig.preset("tiny")
     layer, = make_layers(config, 1, 10)
