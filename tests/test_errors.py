@@ -1,4 +1,4 @@
-"""Every documented error (SPEC section 9): the right exception, naming the argument, nothing modified.
+"""Every documented error (docs/spec.md section 9): the right exception, naming the argument, nothing modified.
 
 Bad calls are tables of one change each to a valid call; the valid call itself is
 run first so that each failure comes from the change alone. Every case runs on every
@@ -332,7 +332,7 @@ CONV_CASES = [
     ),
 ]
 
-# SPEC section 9: index tensors are int32 / int64 only; flags bool or integer 0 / 1; one device; values
+# docs/spec.md section 9: index tensors are int32 / int64 only; flags bool or integer 0 / 1; one device; values
 # of index tensors are needed, so never on the meta device.
 NOT_INDEX_DTYPES = [torch.uint8, torch.bool, torch.int8, torch.int16, torch.float32, torch.complex64]
 if hasattr(torch, "uint16"):
@@ -785,8 +785,50 @@ def test_value_checks_use_host_values_when_given():
     tensors = [a.pop(k) for k in ("inputs", "residual", "conv_state", "conv_weights", "state_indices")]
     a.update(num_accepted_tokens=None, spec_query_len=1)
     call = _checks.ple_conv_call(*tensors, host={"state_indices": [3, 1]}, **a)
-    assert call.slots == [3, 1] and call.starts == [0, 2, 5] and call.rows == [5, 0, 2, 6, 1]
+    assert call.state_indices_list == [3, 1] and call.query_start_loc_list == [0, 2, 5]
+    assert call.token_indices_list == [5, 0, 2, 6, 1]
     with pytest.raises(ValueError, match=r"^state_indices: expected slots in \[0, 4\)"):
         _checks.ple_conv_call(*tensors, host={"state_indices": [1, NUM_SLOTS]}, **a)
     with pytest.raises(ValueError, match=r"^query_start_loc: host values of shape \(2,\)"):
         _checks.ple_conv_call(*tensors, host={"query_start_loc": [0, 5]}, **a)
+
+
+@pytest.mark.parametrize("divisible_by", [1, 16])
+def test_ngram_embedding_table_one_row_short_names_weight(divisible_by, ops):
+    """``weight`` one row short of the rows the hash addresses (``head_offsets[-1] + head_sizes[-1]``) is a
+    ``ValueError`` naming it, with ids that never reach the missing row; a table of exactly those rows is
+    fine. Unpadded (``make_ngram_vocab_size_divisible_by=1``) that is ``params.num_rows``; padded, the rows
+    past it are padding no head addresses."""
+    config = PLEConfig.preset("tiny", make_ngram_vocab_size_divisible_by=divisible_by)
+    params = hash_params(config, 0)
+    needed = int(params.head_offsets[-1] + params.head_sizes[-1])
+    assert (needed == params.num_rows) == (divisible_by == 1)
+    ids = torch.tensor([3, 1, 4, 1, 5])
+    kw = dict(heads_per_ngram=config.heads_per_ngram, eos_token_id=config.eos_token_id)
+    table = torch.randn(needed, config.ngram_head_dim, generator=torch.Generator().manual_seed(0))
+    assert int(ple.reference.ngram_ids(ids, params, **kw).max()) < needed - 1        # the missing row is not read
+    want = ple.reference.ngram_embedding(table, ids, params, **kw)
+    assert_bitwise_equal(ops.ngram_embedding(table, ids, params, **kw), want, name="a table of the rows hashed")
+    short = table[:-1].clone()
+    with pytest.raises(ValueError, match=rf"^weight: .*{needed}"):
+        ops.ngram_embedding(short, ids, params, **kw)
+    assert_bitwise_equal(short, table[:-1], name="weight")
+
+
+@pytest.mark.parametrize("bad, name", [
+    (dict(x=torch.ones(4, 6, dtype=torch.int64)), "x"),
+    (dict(x=torch.tensor(1.0)), "x"),
+    (dict(weight=torch.zeros(5)), "weight"),
+    (dict(weight=torch.zeros(6, dtype=torch.int32)), "weight"),
+    (dict(group_size=0), "group_size"),
+    (dict(group_size=4), "group_size"),
+    (dict(group_size=2.0), "group_size"),
+    (dict(eps=0.0), "eps"),
+    (dict(eps=-1e-6), "eps"),
+])
+def test_grouped_rms_norm_names_the_bad_argument(bad, name):
+    """``ple.reference.grouped_rms_norm`` (public, used by every backend's tests) checks its arguments."""
+    args = dict(x=torch.ones(4, 6), weight=torch.zeros(6), group_size=3, eps=1e-6) | bad
+    with pytest.raises((ValueError, TypeError), match=rf"^{name}\b"):
+        ple.reference.grouped_rms_norm(args["x"], args["weight"], args["group_size"], args["eps"])
+    ple.reference.grouped_rms_norm(torch.ones(4, 6), torch.zeros(6), 3, 1e-6)   # the good call runs

@@ -1,6 +1,6 @@
 """Tools for testing PLE kernels against the reference: the kit, tolerances and Hypothesis strategies.
 
-The kit (SPEC section 10): ``check_ngram_ids``, ``check_embedding_lookup``, ``check_ngram_embedding``,
+The kit (docs/spec.md section 10): ``check_ngram_ids``, ``check_embedding_lookup``, ``check_ngram_embedding``,
 ``check_ple_gate``, ``check_ple_conv``, ``check_export_conv_checkpoints``,
 ``check_dilated_causal_conv`` and ``check_ple_prefill`` each take a function with the signature of
 the reference op of that name and drive it through a property test against ``ple.reference``;
@@ -9,7 +9,7 @@ the reference op of that name and drive it through a property test against ``ple
 steps run the ops' ``ple_prefill`` on the cache's states and whose mixed steps run ``ple_gate``,
 ``ple_conv`` per mode and ``export_conv_checkpoints`` (see ``ple.testing.kit``).
 ``poisoned_empty`` is the context manager that NaN-poisons fresh buffers.
-``ple.testing.numerics`` holds the tolerance table (SPEC section 8) and the comparison helpers
+``ple.testing.numerics`` holds the tolerance table (docs/spec.md section 8) and the comparison helpers
 every equivalence test uses; ``ple.testing.strategies`` holds Hypothesis strategies for configs,
 varlen batches and serving schedules; ``ple.testing.serving`` the replay.
 """

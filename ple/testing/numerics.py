@@ -1,4 +1,4 @@
-"""The tolerance table (SPEC section 8) and comparisons against the reference.
+"""The tolerance table (docs/spec.md section 8) and comparisons against the reference.
 
 A fast result is judged against the reference at the same dtype:
 
@@ -37,7 +37,7 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, exact64: torch
     inputs; the fast error against it must be within ``factor * ref_error + atol``.
     ``judge64``: judge float32 that way too (bfloat16's factor, float32's ``atol``), for
     ill-conditioned cases where the float32 reference is itself further than 1e-5 from
-    float64 (SPEC section 8: a gate score near zero; an all-zero row, whose norm scales its
+    float64 (docs/spec.md section 8: a gate score near zero; an all-zero row, whose norm scales its
     gradient by ``1 / sqrt(eps)``).
     """
     if actual.shape != expected.shape:

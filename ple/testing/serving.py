@@ -161,16 +161,16 @@ def replay(layers: Iterable[PLELayer], cache: PLECache, script: Iterable[Sequenc
     dtype = layers[0].key_proj.weight.dtype
     dev = cache.device
     res = ReplayResult()
-    slots: dict[int, int] = {}
+    slot_of: dict[int, int] = {}                  # request id -> its slot
     t_start = time.perf_counter()
     for index, actions in enumerate(script):
         items: list[Prefill | Decode | Spec] = []
         for a in actions:
-            if a.rid not in slots:
-                slots[a.rid] = cache.allocate()
+            if a.rid not in slot_of:
+                slot_of[a.rid] = cache.allocate()
                 res.tokens[a.rid], res.hidden[a.rid], res.outputs[a.rid], res.origin[a.rid] = [], [], [], []
                 res.conv_inputs[a.rid] = [[] for _ in layers]
-            s = slots[a.rid]
+            s = slot_of[a.rid]
             item = {"prefill": Prefill, "spec": Spec}.get(a.kind)
             items.append(item(s, list(a.tokens)) if item else Decode(s, a.tokens[0]))
         batch = cache.schedule(items)
@@ -194,7 +194,7 @@ def replay(layers: Iterable[PLELayer], cache: PLECache, script: Iterable[Sequenc
             keep = n
             if a.kind == "spec" and a.accept is not None:
                 keep = a.accept
-                cache.accept(slots[a.rid], keep)
+                cache.accept(slot_of[a.rid], keep)
             res.tokens[a.rid] += list(a.tokens[:keep])
             res.origin[a.rid] += [(index, a.kind)] * keep
             res.hidden[a.rid].append(hidden[row:row + keep])
@@ -204,11 +204,11 @@ def replay(layers: Iterable[PLELayer], cache: PLECache, script: Iterable[Sequenc
             row += n
         if check_states:
             for a in actions:
-                _check_state(cache, slots[a.rid], res.conv_inputs[a.rid], S, C, len(layers))
+                _check_state(cache, slot_of[a.rid], res.conv_inputs[a.rid], S, C, len(layers))
                 res.state_checks += 1
         for a in actions:
             if a.finish:
-                cache.free(slots.pop(a.rid))
+                cache.free(slot_of.pop(a.rid))
                 res.finished.append(a.rid)
         res.steps.append(dict(step=index, prefill=sum(a.kind == "prefill" for a in actions),
                               decode=sum(a.kind == "decode" for a in actions),
@@ -220,9 +220,10 @@ def replay(layers: Iterable[PLELayer], cache: PLECache, script: Iterable[Sequenc
     return res
 
 
-def _check_state(cache: PLECache, slot: int, conv_inputs: list[list[torch.Tensor]], S: int, C: int,
+def _check_state(cache: PLECache, slot: int, conv_inputs: list[list[torch.Tensor]], state_len: int, channels: int,
                  num_layers: int) -> None:
-    """The window the next step reads must be the last S accepted conv inputs, bit for bit."""
+    """The window the next step reads must be the last ``state_len`` accepted conv inputs, bit for bit."""
+    S, C = state_len, channels
     if S == 0:
         return
     o = cache._slots[slot].num_accepted - 1

@@ -96,12 +96,12 @@ def varlen_batches(draw: st.DrawFn, config: PLEConfig, *, max_requests: int = 4,
     ctx = [draw(token_streams(config, min_size=config.context_len, max_size=config.context_len))
            for _ in range(R)]
     idx = index_dtype or draw(st.sampled_from([torch.int32, torch.int64]))
-    starts = [0]
+    query_start_loc_list = [0]
     for s in seqs:
-        starts.append(starts[-1] + len(s))
+        query_start_loc_list.append(query_start_loc_list[-1] + len(s))
     return VarlenBatch(
         input_ids=torch.tensor([t for s in seqs for t in s], dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=idx),
+        query_start_loc=torch.tensor(query_start_loc_list, dtype=idx),
         ngram_context=torch.tensor(ctx, dtype=torch.int64).reshape(R, config.context_len),
         lengths=tuple(len(s) for s in seqs),
     )

@@ -315,6 +315,48 @@ def test_a_changed_file_is_detected(tmp_path):
             layer(h, ids)
 
 
+@pytest.mark.parametrize("change", ["truncated", "modified"])
+def test_a_later_file_of_several_changed_after_loading_is_named(tmp_path, change):
+    """A table over several files, one after the first changed after loading: reads of the files that did not
+    change go on (bits of the in-memory table); the next read touching the changed one, alone or with rows of
+    the first file, is a ``ValueError`` naming that file, and reads, counts and caches nothing."""
+    path = save(tmp_path / "ck", None, parts=3, max_file_bytes=20_000)
+    mem = pio.load_layer(path)
+    disk = pio.load_layer(path, offload="disk", cache_bytes=10**6)
+    table = disk.table
+    files = [p.file.path for p in table._pieces]                           # the file of each piece, in row order
+    assert len(set(files)) == len(files) >= 3
+    starts = [p.start for p in table._pieces]                               # each piece's first row
+    NH = TINY.num_ngram_heads
+    first, later = starts[0], starts[-1]                                   # the first rows of the first, last piece
+
+    def ids(*row_starts):
+        return torch.tensor([[r + i for i in range(NH)] for r in row_starts])
+
+    victim = files[-1]
+    with torch.no_grad():
+        assert_bitwise_equal(disk.embed(ids(first), torch.float32), mem.embed(ids(first), torch.float32),
+                             name="rows of the first file")
+        st = victim.stat()
+        if change == "truncated":                                          # rows near its start stay mapped
+            os.truncate(victim, st.st_size - 4 * table.dim * 2)
+        else:                                                              # same size, one byte changed
+            with open(victim, "r+b") as fh:
+                fh.seek(st.st_size - 1)
+                fh.write(b"\x01")
+            os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))   # past the coarse file clock
+        assert_bitwise_equal(disk.embed(ids(first + NH), torch.float32),
+                             mem.embed(ids(first + NH), torch.float32), name="the first file after the change")
+        for rows in (ids(later), ids(first + 2 * NH, later)):
+            before = table.stats()
+            with pytest.raises(ValueError, match=rf"{victim.name}"):
+                disk.embed(rows, torch.float32)
+            assert table.stats() == before                                 # nothing read, counted or cached
+        middle = ids(starts[1])                                            # a file between them: unchanged
+        assert_bitwise_equal(disk.embed(middle, torch.float32), mem.embed(middle, torch.float32),
+                             name="rows of an unchanged later file")
+
+
 def test_the_header_is_checked_when_mapped(tmp_path):
     path = save(tmp_path / "ck", None, parts=2)
     ckpt = Checkpoint.open(path)

@@ -4,10 +4,11 @@ for bit; inductor's rounding is the tolerance table's business, tests/test_compi
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ple import PLEConfig
-from ple.state import CompiledStep, Decode, PLECache, Prefill
+from ple.state import CompiledStep, Decode, PLECache, Prefill, Spec
 from ple.testing.layers import random_layer
 from ple.testing.numerics import assert_bitwise_equal
 
@@ -61,3 +62,58 @@ def test_new_slots_do_not_recompile_and_results_equal_the_eager_step():
     # for the single prefill: the counts of the plan, not the slots, decide.
     assert after_prefill == 1
     assert len(graphs) == 3, f"{len(graphs)} graphs compiled"
+
+
+def test_spec_with_partial_acceptance_then_decode_equals_the_eager_step_and_bad_hidden_states_change_nothing():
+    """A spec step whose requests keep fewer tokens than they proposed (``cache.accept``), then a decode step,
+    whose start moves each request's window back to columns ``[0, S)``: every output and state bit is
+    ``layer.step``'s. A ``hidden_states`` of the wrong shape, given where that move is pending, is a
+    ``ValueError`` naming it, and changes nothing: the right call after it still equals the eager step."""
+    from _helpers import assert_cache_unchanged, cache_snapshot
+
+    def as_traced(gm, example_inputs):                 # a dynamo backend: the graphs run as traced (eager rounding)
+        return gm.forward
+
+    torch._dynamo.reset()
+    layer = random_layer(CONFIG, dtype=torch.bfloat16, seed=1, backend="torch")
+    step = CompiledStep(layer, backend=as_traced)
+    caches = [PLECache(CONFIG, 6, num_spec_tokens=2, num_layers=1, dtype=torch.bfloat16) for _ in range(2)]
+    gen = torch.Generator().manual_seed(1)
+    C, V = CONFIG.hc_hidden_size, CONFIG.vocab_size
+    assert CONFIG.conv_state_len > 1                    # windows that move by more than one column
+
+    def tokens(n):
+        return torch.randint(0, V, (n,), generator=gen).tolist()
+
+    slots = [[c.allocate() for _ in range(3)] for c in caches]
+
+    def both(make_items, hidden=None):
+        """The same items on both caches: the compiled step on caches[0], layer.step on caches[1]."""
+        batches = [c.schedule(make_items(s)) for c, s in zip(caches, slots, strict=True)]
+        h = torch.randn(batches[0].num_tokens, C, generator=gen).to(torch.bfloat16) if hidden is None else hidden
+        assert_bitwise_equal(step(h, batches[0], caches[0]), layer.step(h, batches[1], caches[1]), name="output")
+        assert_bitwise_equal(caches[0].conv_states, caches[1].conv_states, name="conv states")
+        assert caches[0]._slots == caches[1]._slots
+
+    prompts = [tokens(n) for n in (7, 3, 5)]
+    both(lambda s: [Prefill(x, p) for x, p in zip(s, prompts, strict=True)])
+    proposed = [tokens(3) for _ in range(3)]
+    both(lambda s: [Spec(x, p) for x, p in zip(s, proposed, strict=True)])
+    for c, s in zip(caches, slots, strict=True):
+        for x, kept in zip(s, (1, 2, 3), strict=True):   # partial, partial, all
+            c.accept(x, kept)
+    decoded = tokens(3)
+    batch = caches[0].schedule([Decode(x, t) for x, t in zip(slots[0], decoded, strict=True)])
+    assert batch.realign                                 # the decode reads windows a spec step left elsewhere
+    good = torch.randn(batch.num_tokens, C, generator=gen).to(torch.bfloat16)
+    snap = cache_snapshot(caches[0])
+    for bad in (good[:-1], torch.cat([good, good[:1]]), good[:, :-1], good[0], good[None]):
+        with pytest.raises(ValueError, match=r"^hidden_states: "):
+            step(bad, batch, caches[0])
+        assert_cache_unchanged(caches[0], snap)
+    with pytest.raises(TypeError, match=r"^hidden_states: "):
+        step(good.float(), batch, caches[0])
+    assert_cache_unchanged(caches[0], snap)
+    both(lambda s: [Decode(x, t) for x, t in zip(s, decoded, strict=True)], hidden=good)
+    decoded = tokens(3)
+    both(lambda s: [Decode(x, t) for x, t in zip(s, decoded, strict=True)])     # the windows stay where they are

@@ -155,3 +155,36 @@ def test_check_layer_passes_on_reference_and_catches_a_planted_prefill():
 def test_check_layer_passes_on_fast_ops():
     from ple import fast
     check_layer(fast, max_examples=examples(1), max_hidden=12)
+
+
+# ---- columns no call reads: each with bits of its own, so a shuffle among them shows -------------------------
+
+def conv_rolls_the_null_slot(inputs, residual, conv_state, *args, null_slot=0, **kw):
+    ref.ple_conv(inputs, residual, conv_state, *args, null_slot=null_slot, **kw)
+    if 0 <= null_slot < conv_state.shape[0]:
+        conv_state[null_slot] = conv_state[null_slot].roll(1, -1)          # its columns in another order
+
+
+def prefill_shifts_slots_it_does_not_own(*args, conv_state=None, state_indices=None, null_slot=0, **kw):
+    out = ref.ple_prefill(*args, conv_state=conv_state, state_indices=state_indices, null_slot=null_slot, **kw)
+    if conv_state is not None:
+        owned = set(state_indices.tolist()) - {null_slot}
+        for s in range(conv_state.shape[0]):
+            if s not in owned:                                             # each column copied over its left one
+                conv_state[s, :, :-1] = conv_state[s, :, 1:].clone()
+    return out
+
+
+SHUFFLES = [
+    (check_ple_conv, conv_rolls_the_null_slot, dict(modes=("decode", "spec", "prefill")),
+     ["ple_conv", "conv_state", "the null slot"]),
+    (check_ple_prefill, prefill_shifts_slots_it_does_not_own, dict(parts=("serving",)),
+     ["ple_prefill serving: conv_state", "never read or written"]),
+]
+
+
+@pytest.mark.parametrize("check,fn,kw,words", SHUFFLES, ids=[p[1].__name__ for p in SHUFFLES])
+def test_a_shuffle_among_columns_no_call_reads_is_caught(check, fn, kw, words):
+    """The null slot and every state column a call must not read are NaN, each with a payload of its own
+    (``ple.testing.kit.cases.distinct_nans``): a function that moves them among themselves is caught."""
+    assert_planted_mistake_caught(check, fn, kw, words, max_examples=10)

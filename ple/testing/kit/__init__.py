@@ -1,4 +1,4 @@
-"""The equivalence-testing kit (SPEC section 10): check your own op, or a whole layer on your ops.
+"""The equivalence-testing kit (docs/spec.md section 10): check your own op, or a whole layer on your ops.
 
 ``check_<op>(fn, **options)`` drives ``fn`` (the signature of ``ple.reference.<op>``) through a
 Hypothesis property against the reference and returns quietly, or raises ``AssertionError``

@@ -29,11 +29,13 @@ def fmt_case(case: dict) -> str:
     return ", ".join(f"{k}={show(v)}" for k, v in case.items())
 
 
-def row_of(starts: list[int], i: int) -> str:
-    """Logical row ``i`` of requests laid end to end at ``starts`` (``[R + 1]``): "request r, row p"."""
-    for r in range(len(starts) - 1):
-        if starts[r] <= i < starts[r + 1]:
-            return f"request {r}, row {i - starts[r]} of its {starts[r + 1] - starts[r]}"
+def row_of(query_start_loc_list: list[int], i: int) -> str:
+    """Logical row ``i`` of requests laid end to end at ``query_start_loc_list`` (``[R + 1]``): "request r,
+    row p"."""
+    q = query_start_loc_list
+    for r in range(len(q) - 1):
+        if q[r] <= i < q[r + 1]:
+            return f"request {r}, row {i - q[r]} of its {q[r + 1] - q[r]}"
     return f"row {i}"
 
 
@@ -84,7 +86,7 @@ def compare_bits(got: torch.Tensor, want: torch.Tensor, *, name: str, where: Cal
 
 def compare_close(got: torch.Tensor, want: torch.Tensor, exact64: torch.Tensor | None, *, name: str,
                   where: Callable[[tuple], str], case: dict, judge64: bool = False, grad: bool = False) -> None:
-    """The tolerance table (SPEC section 8): float32 / float64 elementwise; bfloat16 / float16 against
+    """The tolerance table (docs/spec.md section 8): float32 / float64 elementwise; bfloat16 / float16 against
     the float64 run ``exact64`` (the fast error at most ``factor`` x the reference's own + ``atol`` x scale).
     ``judge64``: float32 judged the same way (against ``exact64``, with float32's ``atol``), for
     ill-conditioned cases (a gate score near zero). A NaN where the reference has none is always a failure.

@@ -7,7 +7,7 @@ configs (channels beyond one tile: C up to a few hundred, odd sizes; K 1..5; two
 * **forward**: ``layer(hidden, ids, mask)`` with left / right padding, which runs the ops'
   ``ngram_embedding`` (hash and gather), the projections, then ``ple_prefill`` (gate, the
   padding mask as ``keep``, conv from zero history, both adds); judged against a float64 run of
-  the reference layer (the fast error at most twice the reference's own, plus a floor: SPEC
+  the reference layer (the fast error at most twice the reference's own, plus a floor: docs/spec.md
   section 8's rule for ill-conditioned gates, used throughout here);
 * **gradients** of the hidden states and of every parameter (through ``ple_prefill``'s and
   ``ngram_embedding``'s autograd), judged the same way;

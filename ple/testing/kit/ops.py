@@ -23,7 +23,7 @@ from ... import reference as ref
 from ...config import PLEConfig
 from ..strategies import configs, varlen_batches
 from ._report import compare_bits, compare_close, poisoned_empty, row_of
-from .cases import randn, to64
+from .cases import HALF_DTYPES, randn, to64
 from .conv import DTYPES, _seeded, _settings
 
 __all__ = ["check_ngram_ids", "check_ngram_embedding", "check_embedding_lookup", "check_ple_gate",
@@ -79,9 +79,9 @@ def check_ngram_ids(fn: Callable[..., Any], *, max_examples: int = 25, max_reque
         want = ref.ngram_ids(ids, params, **kw)
         with poisoned_empty():
             got = fn(ids, params, **kw)
-        starts = case["query_start_loc"]
+        query_start_loc_list = case["query_start_loc"]
         compare_bits(got, want, name="ngram_ids", case=case,
-                     where=lambda idx: f"{row_of(starts, idx[0])}, head {idx[1]} "
+                     where=lambda idx: f"{row_of(query_start_loc_list, idx[0])}, head {idx[1]} "
                                        f"(n-gram {idx[1] // c.heads_per_ngram + 2})")
     _prop(_ngram_cases(max_requests), body, max_examples, seed)
 
@@ -133,13 +133,14 @@ def check_ngram_embedding(fn: Callable[..., Any], *,
                              lambda outs: (up,), **kw)
         with poisoned_empty():
             (got,), gg = _grads(fn, dict(weight=weight, input_ids=ids, params=params), wrt, lambda outs: (up,), **kw)
-        starts, P = case["query_start_loc"], c.heads_per_ngram
+        query_start_loc_list, P = case["query_start_loc"], c.heads_per_ngram
         compare_bits(got, want, name="ngram_embedding: output", case=case,
-                     where=lambda idx: f"{row_of(starts, idx[0])}, head {idx[1] // D} (n-gram {idx[1] // D // P + 2}, "
+                     where=lambda idx: f"{row_of(query_start_loc_list, idx[0])}, head {idx[1] // D} "
+                                       f"(n-gram {idx[1] // D // P + 2}, "
                                        f"table row {heads[idx[0], idx[1] // D].item()}), column {idx[1] % D}")
         if grad:
             exact = None
-            if case["dtype"] in (torch.bfloat16, torch.float16):
+            if case["dtype"] in HALF_DTYPES:
                 _, g64 = _grads(ref.ngram_embedding, dict(weight=to64(weight), input_ids=ids, params=params), wrt,
                                 lambda outs: (to64(up),), **kw)
                 exact = g64["weight"]
@@ -177,7 +178,7 @@ def check_embedding_lookup(fn: Callable[..., Any], *, dtypes: Sequence[torch.dty
         compare_bits(got, want, name="embedding_lookup: output", where=where_out, case=case)
         if grad:
             exact = None
-            if case["dtype"] in (torch.bfloat16, torch.float16):
+            if case["dtype"] in HALF_DTYPES:
                 _, g64 = _grads(ref.embedding_lookup, dict(weight=to64(weight), ids=ids), ["weight"],
                                 lambda outs: (to64(up),))
                 exact = g64["weight"]
@@ -219,9 +220,9 @@ def check_ple_gate(fn: Callable[..., Any], *, dtypes: Sequence[torch.dtype] = DT
         with poisoned_empty():
             got, gg = _grads(fn, inputs, wrt, lambda outs: ups, eps=case["eps"])
         exact, g64 = (None, None), {}
-        # SPEC section 8: where a score lies within 0.05 of zero, float32 is judged like bfloat16.
+        # docs/spec.md section 8: where a score lies within 0.05 of zero, float32 is judged like bfloat16.
         ill = dt == torch.float32 and bool((_scores(inputs, H, case["eps"]).abs() < 0.05).any())
-        if dt in (torch.bfloat16, torch.float16) or ill:
+        if dt in HALF_DTYPES or ill:
             exact, g64 = _grads(ref.ple_gate, {k: to64(v) for k, v in inputs.items()}, wrt,
                                 lambda outs: tuple(map(to64, ups)), eps=case["eps"])
         where = lambda idx: f"token {idx[0]}, stream {idx[1] // H}, channel {idx[1]} ({idx[1] % H} of the stream)"  # noqa: E731
@@ -237,7 +238,7 @@ def check_ple_gate(fn: Callable[..., Any], *, dtypes: Sequence[torch.dtype] = DT
 
 
 def _scores(inputs: dict, H: int, eps: float) -> torch.Tensor:
-    """The gate scores ``s[t, m]`` in float64 (SPEC section 4)."""
+    """The gate scores ``s[t, m]`` in float64 (docs/spec.md section 4)."""
     x = {k: v.detach().double() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
     kn = ref.grouped_rms_norm(x["key"], x["norm_key_weight"], H, eps).unflatten(1, (-1, H))
     qn = ref.grouped_rms_norm(x["hidden_states"], x["norm_query_weight"], H, eps).unflatten(1, (-1, H))
@@ -267,12 +268,12 @@ def check_dilated_causal_conv(fn: Callable[..., Any], *, dtypes: Sequence[torch.
         C, K, dt = case["C"], case["K"], case["dtype"]
         kw = dict(dilation=case["dilation"])
         if case["packed"]:
-            starts = [0]
+            cu_seqlens_list = [0]
             for n in case["lens"]:
-                starts.append(starts[-1] + n)
-            x = randn((starts[-1], C), dt, g)
-            kw["cu_seqlens"] = torch.tensor(starts, dtype=case["index_dtype"])
-            where = lambda idx: f"{row_of(starts, idx[0])}, channel {idx[1]}"  # noqa: E731
+                cu_seqlens_list.append(cu_seqlens_list[-1] + n)
+            x = randn((cu_seqlens_list[-1], C), dt, g)
+            kw["cu_seqlens"] = torch.tensor(cu_seqlens_list, dtype=case["index_dtype"])
+            where = lambda idx: f"{row_of(cu_seqlens_list, idx[0])}, channel {idx[1]}"  # noqa: E731
         else:
             x = randn((case["B"], case["L"], C), dt, g)
             where = lambda idx: f"sequence {idx[0]}, position {idx[1]}, channel {idx[2]}"  # noqa: E731
@@ -283,7 +284,7 @@ def check_dilated_causal_conv(fn: Callable[..., Any], *, dtypes: Sequence[torch.
         with poisoned_empty():
             (got,), gg = _grads(fn, inputs, wrt, lambda outs: up, **kw)
         exact, g64 = (None,), {}
-        if dt in (torch.bfloat16, torch.float16):
+        if dt in HALF_DTYPES:
             exact, g64 = _grads(ref.dilated_causal_conv, {k: to64(v) for k, v in inputs.items()}, wrt,
                                 lambda outs: (to64(up[0]),), **kw)
         compare_close(got, want, exact[0], name="dilated_causal_conv: output", where=where, case=case)

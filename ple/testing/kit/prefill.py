@@ -13,11 +13,12 @@ Two Hypothesis properties, ``parts=("forward", "serving")``:
   or last slot), empty requests, rows permuted among extra rows through ``token_indices``,
   int32 / int64 index tensors (some a strided column of a table). Every state column the call
   must not read is NaN (stale slots whose ``has_initial_states`` is 0, columns past S, the
-  null slot, slots no request owns), as is every input row no logical row maps to.
+  null slot, slots no request owns), each element with bits of its own (a column moved or
+  copied among them shows), as is every input row no logical row maps to.
   ``out`` of the call's rows by the tolerance table; physical rows no logical row maps to
   must be 0.
 
-States (SPEC sections 6 and 8). After the call, column i of a live request's slot is
+States (docs/spec.md sections 6 and 8). After the call, column i of a live request's slot is
 ``hist[n + i]`` (n its rows): for ``n + i < S`` a copy of old column ``n + i`` (or a zero
 without an initial state), else the conv input of its row ``n + i - S``. The copies, and every
 bit of the buffer the call must not write, are compared bit for bit. The computed columns
@@ -49,14 +50,22 @@ from hypothesis import strategies as st
 
 from ... import reference as ref
 from ._report import compare_bits, compare_close, fmt_case, poisoned_empty, row_of
-from .cases import NAN, assign_slots, clone_state, index_tensor, randn, request_rows, state_view
+from .cases import (
+    HALF_DTYPES,
+    assign_slots,
+    clone_state,
+    fill_nans_,
+    index_tensor,
+    randn,
+    request_rows,
+    state_view,
+)
 from .ops import _grads, _prop, _scores
 
 __all__ = ["check_ple_prefill", "prefill_cases"]
 
 PARTS = ("forward", "serving")
 DTYPES = (torch.float32, torch.bfloat16, torch.float64)
-LOW = (torch.bfloat16, torch.float16)
 NAMES = ("key", "value", "hidden_states", "norm_key_weight", "norm_query_weight", "norm_conv_weight",
          "conv_weights")
 
@@ -89,14 +98,19 @@ def prefill_cases(draw: st.DrawFn, part: str, *, dtypes: Sequence[torch.dtype] =
 
 
 def build_prefill(case: dict[str, Any]) -> dict[str, Any]:
-    """The tensors of one call, and (serving) the masks of the state columns it reads and computes."""
+    """The tensors of one call, and (serving) the masks of the state columns it reads and computes.
+
+    Keys: ``inputs`` (the op's positional arguments by name), ``query_start_loc`` and its host list
+    ``query_start_loc_list``, ``rows`` (each logical row's physical row), ``outside`` (the physical rows of
+    no logical row), ``keep`` / ``keep_list``, ``token_indices``; serving: ``state`` over ``buf``,
+    ``state_indices`` and ``state_indices_list``, ``null_slot``, ``init`` / ``has_init``, ``fresh``."""
     g = torch.Generator().manual_seed(case["seed"])
     M, H, K, d, lens, dt = case["M"], case["H"], case["K"], case["dilation"], case["lens"], case["dtype"]
     C, S, R = M * H, (K - 1) * d, len(lens)
     serving = case["part"] == "serving"
     ix, col = case["index_dtype"], case["column_indices"]
-    starts, T, rows, token_indices = request_rows(lens, g, case["extra_rows"] if serving and case["token_indices"]
-                                                  else None, ix, col)
+    query_start_loc_list, T, rows, token_indices = request_rows(
+        lens, g, case["extra_rows"] if serving and case["token_indices"] else None, ix, col)
 
     def rows_of(n, scale):
         x = randn((T, n + 3) if case["strided"] else (T, n), dt, g) * scale
@@ -109,39 +123,44 @@ def build_prefill(case: dict[str, Any]) -> dict[str, Any]:
                   * 0.5)
     outside = sorted(set(range(T)) - set(rows))
     for name in ("key", "value", "hidden_states"):
-        inputs[name][outside] = NAN                           # rows of no logical row: their values never matter
+        fill_nans_(inputs[name], outside, g)                  # rows of no logical row: their values never matter
     keep = keep_list = None
     if case["keep"] is not None:
         keep_list = (torch.rand(T, generator=g) < 0.7).tolist()
         keep = index_tensor([int(k) * (3 if case["keep"] == "int" else 1) for k in keep_list],
                             torch.bool if case["keep"] == "bool" else ix, col)     # int: any non-zero keeps
-    t = dict(inputs=inputs, starts=starts, rows=rows, outside=outside, C=C, S=S, H=H, keep=keep,
-             keep_list=keep_list, qsl=torch.tensor(starts, dtype=ix), token_indices=token_indices, serving=serving)
+    t = dict(inputs=inputs, query_start_loc_list=query_start_loc_list, rows=rows, outside=outside, C=C, S=S, H=H,
+             keep=keep, keep_list=keep_list, query_start_loc=torch.tensor(query_start_loc_list, dtype=ix),
+             token_indices=token_indices, serving=serving)
     if not serving:
         return t
     W = S + case["extra_w"]
-    num_slots, null_slot, slots = assign_slots(R, case["extra_slots"], case["null_at_end"], case["null_requests"], g)
+    num_slots, null_slot, state_indices_list = assign_slots(R, case["extra_slots"], case["null_at_end"],
+                                                            case["null_requests"], g)
     sdt = dt if case["state_dtype"] == "same" else torch.float32
     state, buf = state_view(num_slots, C, W, case["layout"], sdt, g)
     has_init, init = [False] * R, None
     if case["init"] is not None:
         has_init = list(case["init_values"])
         init = index_tensor([int(f) for f in has_init], torch.bool if case["init"] == "bool" else ix, col)
-    masks = prefill_state_masks(slots, lens, has_init, null_slot, S, num_slots, W)
-    state[~masks["read"][:, None, :].expand(num_slots, C, W)] = NAN   # stale and untouched columns: never read
-    t.update(state=state, buf=buf, slots=index_tensor(slots, ix, col), slot_list=slots, null_slot=null_slot,
+    masks = prefill_state_masks(state_indices_list, lens, has_init, null_slot, S, num_slots, W)
+    fill_nans_(state, ~masks["read"][:, None, :].expand(num_slots, C, W), g)   # stale and untouched: never read
+    t.update(state=state, buf=buf, state_indices=index_tensor(state_indices_list, ix, col),
+             state_indices_list=state_indices_list, null_slot=null_slot,
              init=init, has_init=has_init, fresh=masks["fresh"][:, None, :].expand(num_slots, C, W))
     return t
 
 
-def prefill_state_masks(slots: Sequence[int], lens: Sequence[int], has_init: Sequence[bool], null_slot: int,
-                        S: int, num_slots: int, W: int) -> dict[str, torch.Tensor]:
-    """The ``[num_slots, W]`` state columns a serving prefill touches (request r: ``lens[r]`` rows on slot
-    ``slots[r]``): ``read``, the old columns :S of a live request (one with rows, off the null slot) with an
-    initial state; ``written``, columns :S of every live request; of those, ``copied``, the old columns moved
-    (column i < S - n, with an initial state), and ``fresh``, this call's conv inputs (S - n <= i < S)."""
-    masks = {k: torch.zeros(num_slots, W, dtype=torch.bool) for k in ("read", "written", "copied", "fresh")}
-    for r, slot in enumerate(slots):
+def prefill_state_masks(state_indices_list: Sequence[int], lens: Sequence[int], has_init: Sequence[bool],
+                        null_slot: int, state_len: int, num_slots: int, state_width: int) -> dict[str, torch.Tensor]:
+    """The ``[num_slots, state_width]`` state columns a serving prefill touches (request r: ``lens[r]`` rows on
+    slot ``state_indices_list[r]``; S = ``state_len``): ``read``, the old columns :S of a live request (one
+    with rows, off the null slot) with an initial state; ``written``, columns :S of every live request; of
+    those, ``copied``, the old columns moved (column i < S - n, with an initial state), and ``fresh``, this
+    call's conv inputs (S - n <= i < S)."""
+    S = state_len
+    masks = {k: torch.zeros(num_slots, state_width, dtype=torch.bool) for k in ("read", "written", "copied", "fresh")}
+    for r, slot in enumerate(state_indices_list):
         n = lens[r]
         if slot == null_slot or n == 0:
             continue
@@ -153,10 +172,10 @@ def prefill_state_masks(slots: Sequence[int], lens: Sequence[int], has_init: Seq
     return masks
 
 
-def _kwargs(t: dict, case: dict, state=None) -> dict:
-    kw = dict(dilation=case["dilation"], query_start_loc=t["qsl"], keep=t["keep"])
+def _kwargs(t: dict, case: dict, conv_state=None) -> dict:
+    kw = dict(dilation=case["dilation"], query_start_loc=t["query_start_loc"], keep=t["keep"])
     if t["serving"]:
-        kw.update(conv_state=state, state_indices=t["slots"], has_initial_states=t["init"],
+        kw.update(conv_state=conv_state, state_indices=t["state_indices"], has_initial_states=t["init"],
                   token_indices=t["token_indices"], null_slot=t["null_slot"])
     return kw
 
@@ -166,14 +185,14 @@ def _to64(inputs: dict) -> dict:
 
 
 def _row_where(t: dict, what: str = "") -> Callable[[tuple], str]:
-    starts, rows, H, kl = t["starts"], t["rows"], t["H"], t["keep_list"]
+    query_start_loc_list, rows, H, kl = t["query_start_loc_list"], t["rows"], t["H"], t["keep_list"]
 
     def where(idx):
         i, c = idx[0], idx[1]
         p = rows[i]
         masked = ", masked by keep" if kl is not None and not kl[p] else ""
         phys = f" (physical row {p}{masked})" if t["serving"] else (" (masked by keep)" if masked else "")
-        return f"{what}{row_of(starts, i)}{phys}, channel {c} (stream {c // H}, {c % H} of it)"
+        return f"{what}{row_of(query_start_loc_list, i)}{phys}, channel {c} (stream {c // H}, {c % H} of it)"
     return where
 
 
@@ -187,7 +206,7 @@ def _grad_where(name: str, t: dict) -> Callable[[tuple], str]:
 
 
 def _ill(t: dict, case: dict) -> bool:
-    """SPEC section 8: a float32 gate score within 0.05 of zero is judged like bfloat16."""
+    """docs/spec.md section 8: a float32 gate score within 0.05 of zero is judged like bfloat16."""
     return case["dtype"] == torch.float32 and bool((_scores(t["inputs"], t["H"], case["eps"]).abs() < 0.05).any())
 
 
@@ -202,7 +221,7 @@ def check_one_forward(fn: Callable[..., Any], case: dict[str, Any]) -> None:
         got, gg = _grads(fn, t["inputs"], list(NAMES), lambda outs: up, **kw)
     ill = _ill(t, case)
     exact, g64 = (None,), {}
-    if case["dtype"] in LOW or ill:
+    if case["dtype"] in HALF_DTYPES or ill:
         exact, g64 = _grads(ref.ple_prefill, _to64(t["inputs"]), list(NAMES), lambda outs: (up[0].double(),), **kw)
     compare_close(got[0], want[0], exact[0], name="ple_prefill forward: out", where=_row_where(t), case=case,
                   judge64=ill)
@@ -212,7 +231,7 @@ def check_one_forward(fn: Callable[..., Any], case: dict[str, Any]) -> None:
 
 
 def _state_where(t: dict, case: dict, what: str) -> Callable[[tuple], str]:
-    owner = {s: r for r, s in enumerate(t["slot_list"]) if s != t["null_slot"]}
+    owner = {s: r for r, s in enumerate(t["state_indices_list"]) if s != t["null_slot"]}
     S, lens = t["S"], case["lens"]
 
     def where(idx):
@@ -247,7 +266,7 @@ def check_one_serving(fn: Callable[..., Any], case: dict[str, Any], exact_states
             got = fn(*t["inputs"].values(), **_kwargs(t, case, st_fn))
         ill = _ill(t, case)
         exact = st64 = None
-        if case["dtype"] in LOW or ill:
+        if case["dtype"] in HALF_DTYPES or ill:
             st64, _ = clone_state(t, torch.float64)
             exact = ref.ple_prefill(*_to64(t["inputs"]).values(), **_kwargs(t, case, st64))
     name = "ple_prefill serving"
@@ -265,7 +284,7 @@ def check_one_serving(fn: Callable[..., Any], case: dict[str, Any], exact_states
     positions = fresh.nonzero().tolist()
     at = _state_where(t, case, "")
     where_fresh = lambda idx: at(tuple(positions[idx[0]]))  # noqa: E731
-    bits = exact_states if exact_states is not None else case["dtype"] in LOW
+    bits = exact_states if exact_states is not None else case["dtype"] in HALF_DTYPES
     if bits:
         compare_bits(st_fn[fresh], st_ref[fresh], name=f"{name}: conv_state (a new column, bit for bit)",
                      where=where_fresh, case=case)
