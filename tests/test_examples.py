@@ -1,12 +1,16 @@
-"""The demo and the training example run, and say what they should."""
+"""The demo, the examples and every python block of the README and docs/ run, and say what they should."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
+
+import pytest
 
 import ple.__main__ as cli
 
@@ -30,7 +34,7 @@ def _load_example(name):
 
 
 def test_train_sharded_runs_under_torchrun_and_learns():
-    """The README's command: torchrun, 2 gloo ranks, the table a row-sharded DTensor, FSDP2; the loss falls."""
+    """docs/distribution.md's command: torchrun, 2 gloo ranks, the table a row-sharded DTensor, FSDP2; loss falls."""
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(ROOT / "examples" / "train_sharded.py"), "--steps", "25"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
@@ -62,21 +66,109 @@ def test_train_tiny_ple_beats_its_no_ple_twin(capsys):
     assert losses["with PLE"] < losses["without PLE"] - 0.5
 
 
-def test_every_readme_python_block_runs_as_pasted(tmp_path):
-    """Each ``python`` block of the README, pasted into a fresh interpreter (in an empty folder), runs."""
-    text = (ROOT / "README.md").read_text()
-    blocks = text.split("```python\n")[1:]
-    assert len(blocks) >= 3
-    for i, block in enumerate(blocks):
-        code = block[:block.index("```")]
-        where = tmp_path / f"block{i}"
-        where.mkdir()
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=where,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
-        assert done.returncode == 0, f"README python block {i}:\n{code}\n{done.stderr}"
-        if "check_ple_conv(my_conv" in code:          # "Test your own kernel": the report it shows
-            first = done.stdout.strip().splitlines()[0]
-            assert first.startswith("ple_conv prefill: residual differs at request"), done.stdout
+# The pages whose ``python`` blocks must run as pasted: the README and every page under docs/.
+DOC_PAGES = ["README.md", *sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```([^`\n]*)\n(.*?)^```[ \t]*$", re.M | re.S)      # (info string, body)
+FENCE_LANGS = {"python", "bash", ""}           # "" is printed output; Python goes in python blocks, never "py"
+# What a page's blocks print, as its comments say (substrings of the page's output, in order).
+PRINTED = {
+    "README.md": ["8 6 [1]"],
+    "docs/serving.md": ["4 3 []", "1 [1, 2]", "torch.Size([4, 48]) 14 6", "[2, 3] 1"],
+    "docs/testing.md": ["ple_conv prefill: residual differs at request"],
+    "docs/distribution.md": ["rank 0: rows (6128, 4) of 6128, out (1, 9, 48)"],
+    "docs/kernels.md": ["the Triton layer matches the reference"],
+    "docs/training.md": ["table gradient: torch.sparse_coo"],
+}
+
+# Runs every block in a child forked from one interpreter that has imported only torch (which every block
+# imports itself): each child starts from fresh globals in its own empty folder, so a block that leans on
+# an earlier block's names, files, modules beyond torch, or global torch settings fails as it would when
+# pasted; the fork saves a torch import per block.
+RUNNER = r"""
+import json, os, sys, time, traceback
+import torch  # noqa: F401
+
+blocks, results = json.load(open(sys.argv[1])), []
+for i, (name, code) in enumerate(blocks):
+    where = os.path.join(os.path.dirname(sys.argv[1]), f"block{i}")
+    os.mkdir(where)
+    out_path, err_path = where + ".out", where + ".err"
+    t0 = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:
+        with open(out_path, "w") as out, open(err_path, "w") as err:
+            os.dup2(out.fileno(), 1); os.dup2(err.fileno(), 2)
+        os.chdir(where)
+        status = 0
+        try:
+            exec(compile(code, name, "exec"), {"__name__": "__main__"})
+        except BaseException:
+            traceback.print_exc()
+            status = 1
+        sys.stdout.flush(); sys.stderr.flush()
+        os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    results.append(dict(name=name, rc=os.waitstatus_to_exitcode(status), seconds=time.perf_counter() - t0,
+                        out=open(out_path).read(), err=open(err_path).read()))
+json.dump(results, open(sys.argv[2], "w"))
+"""
+
+
+def fenced_blocks(text):
+    """``(language, body)`` of every fenced block of a Markdown text, in order."""
+    return [(info.strip(), body) for info, body in FENCE.findall(text)]
+
+
+@pytest.fixture(scope="module")
+def block_runs(tmp_path_factory):
+    """Every ``python`` block of every page, run once: page -> list of results, in page order."""
+    tmp = tmp_path_factory.mktemp("blocks")
+    blocks = [(f"{page} python block {i}", body)
+              for page in DOC_PAGES
+              for i, body in enumerate(b for lang, b in fenced_blocks((ROOT / page).read_text()) if lang == "python")]
+    (tmp / "blocks.json").write_text(json.dumps(blocks))
+    done = subprocess.run([sys.executable, "-c", RUNNER, str(tmp / "blocks.json"), str(tmp / "results.json")],
+                          capture_output=True, text=True, timeout=900, cwd=tmp,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    runs: dict[str, list[dict]] = {page: [] for page in DOC_PAGES}
+    for run in json.loads((tmp / "results.json").read_text()):
+        runs[run["name"].split(" python block ")[0]].append(run)
+    return runs
+
+
+def test_the_readme_links_every_docs_page_and_nothing_outside():
+    """Each docs page is linked from the README, and no page links outside the repository."""
+    readme = (ROOT / "README.md").read_text()
+    assert all(f"]({page})" in readme for page in DOC_PAGES[1:]), "a docs page the README does not link"
+    for page in DOC_PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", (ROOT / page).read_text()):
+            if "://" in target:
+                continue
+            path = ((ROOT / page).parent / target.split("#")[0]).resolve()
+            assert path.is_relative_to(ROOT) and path.exists(), f"{page} links {target}, not in the repository"
+
+
+@pytest.mark.parametrize("page", DOC_PAGES)
+def test_every_python_block_runs_as_pasted(page, block_runs):
+    """Each ``python`` block of the page, pasted into a fresh interpreter in an empty folder, runs and prints
+    what its comments say; the page's other blocks are ``bash`` (commands, some needing a GPU or torchrun)
+    or plain output."""
+    text = (ROOT / page).read_text()
+    fences = fenced_blocks(text)
+    assert {lang for lang, _ in fences} <= FENCE_LANGS, f"{page}: a block fenced as none of {FENCE_LANGS}"
+    runs = block_runs[page]
+    assert len(runs) == sum(lang == "python" for lang, _ in fences) == len(re.findall(r"^```python", text, re.M))
+    for run in runs:
+        assert run["rc"] == 0, f"{run['name']} failed:\n{run['err']}"
+    printed = "".join(run["out"] for run in runs)
+    at = 0
+    for expected in PRINTED.get(page, []):
+        found = printed.find(expected, at)
+        assert found >= 0, f"{page}: its blocks did not print {expected!r} (in order); they printed:\n{printed}"
+        at = found + len(expected)
+    if page == "README.md":
+        assert runs, "the README's tour is a python block"
 
 
 def test_import_and_demo_need_no_test_dependencies():
