@@ -91,7 +91,7 @@ def interleaved(fns: dict, repeats: int, warmup: int = 2) -> dict:
 def compare(got, want, dtype, bitwise=True) -> str:
     """``same bits`` / ``max rel diff x`` of the output (and the gradients), and whether it meets its bar.
 
-    The bar (SPEC section 8): an eager bfloat16 output equals the model's bit for bit (``bitwise``);
+    The bar (docs/spec.md section 8): an eager bfloat16 output equals the model's bit for bit (``bitwise``);
     gradients, compiled outputs (inductor rounds differently) and float32 are within a relative
     difference (of the largest magnitude) of 1e-5 in float32, 2e-2 in bfloat16.
     """

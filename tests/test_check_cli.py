@@ -1,4 +1,4 @@
-"""``python -m ple check MODULE[:ATTR]`` (SPEC section 10): one line per op, exit 0 / 1 / 2."""
+"""``python -m ple check MODULE[:ATTR]`` (docs/spec.md section 10): one line per op, exit 0 / 1 / 2."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`PLEConfig` (SPEC section 1): validation, derived sizes, loading, presets."""
+"""`PLEConfig` (docs/spec.md section 1): validation, derived sizes, loading, presets."""
 
 from __future__ import annotations
 

@@ -74,7 +74,7 @@ def test_decode_step_refuses_other_plans():
 
 
 def test_the_reference_does_not_export():
-    """The reference reads index values on the host (SPEC section 7 exempts it): export refuses it."""
+    """The reference reads index values on the host (docs/spec.md section 7 exempts it): export refuses it."""
     layer = _layer("reference")
     h = torch.randn(1, 5, C)
     ids = torch.randint(0, CONFIG.vocab_size, (1, 5))

@@ -1,4 +1,4 @@
-"""`PLELayer` on whole sequences (SPEC sections 4, 5, 7): checkpoint names, init, wiring, masks, autograd."""
+"""`PLELayer` on whole sequences (docs/spec.md sections 4, 5, 7): checkpoint names, init, wiring, masks, autograd."""
 
 from __future__ import annotations
 
@@ -54,9 +54,9 @@ def token_batch(cfg: PLEConfig, B: int, L: int, seed: int) -> torch.Tensor:
     return torch.where(torch.rand(B, L, generator=gen) < 0.2, cfg.eos_token_id, ids)
 
 
-# ---- an independent composition of SPEC sections 3-5 --------------------------------------------
+# ---- an independent composition of docs/spec.md sections 3-5 --------------------------------------------
 def spec_forward(layer: PLELayer, hidden: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """The layer's output in float64, from the SPEC's formulas (ids from the tested ``ngram_ids``)."""
+    """The layer's output in float64, from docs/spec.md's formulas (ids from the tested ``ngram_ids``)."""
     cfg = layer.config
     B, L, C = hidden.shape
     H, eps = cfg.hidden_size, cfg.rms_norm_eps

@@ -20,7 +20,7 @@ BACKENDS = ["reference", "torch", pytest.param("triton", marks=pytest.mark.inter
 
 
 def test_bare_import_exposes_the_documented_subpackages():
-    """SPEC section 7: after ``import ple`` alone, ple.reference, ple.state, ple.io and ple.testing work."""
+    """docs/spec.md section 7: after ``import ple`` alone, ple.reference, ple.state, ple.io and ple.testing work."""
     code = ("import sys, ple\n"
             "assert ple.state.PLECache and ple.io.load_layer and ple.reference.ple_conv and ple.testing\n"
             "assert 'ple.fast' not in sys.modules, 'ple.fast (Triton) is loaded on first use only'\n"
@@ -77,7 +77,7 @@ def test_offloaded_table_gathers_on_the_host_and_keeps_gradients():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_forward_index_and_mask_dtypes(backend):
-    """SPEC section 9: ``input_ids`` int32/int64 only; ``attention_mask`` bool, integer or float (non-zero
+    """docs/spec.md section 9: ``input_ids`` int32/int64 only; ``attention_mask`` bool, integer or float (non-zero
     keeps), complex refused; on either backend."""
     layer = random_layer(TINY, 0, torch.float32, seed=4)
     layer.set_backend(backend)

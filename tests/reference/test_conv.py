@@ -1,9 +1,9 @@
-"""The serving conv ``ple_conv`` and ``export_conv_checkpoints`` (SPEC section 6).
+"""The serving conv ``ple_conv`` and ``export_conv_checkpoints`` (docs/spec.md section 6).
 
 ``ple_conv`` is driven through random request streams (prefill chunks, decodes and speculative
 steps with random acceptance, all requests of a mode in one call, rows interleaved) and judged
 against ``dilated_causal_conv`` over each request's accepted inputs, with the conv states checked
-bit for bit against the state the SPEC defines.
+bit for bit against the state docs/spec.md defines.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def run_stream(setup: dict, ch, seed: int) -> dict:
                 if q:
                     y = dilated_causal_conv(torch.cat([prior, x]), w, dilation=d)[prior.shape[0] :]
                     expected_res[phys] = residual[phys] + y + (outer[phys] if with_outer else 0)
-                # The state the SPEC defines after this step, written into the expected buffer.
+                # The state docs/spec.md defines after this step, written into the expected buffer.
                 ev = view(expected_buf)[r.slot]
                 if mode == "spec":
                     ev[:, 0 : S + q - 1] = last_columns(torch.cat([prior, x]), S + q - 1, C)

@@ -1,4 +1,4 @@
-"""Grouped RMS norms and the signed-sqrt gate (SPEC section 4)."""
+"""Grouped RMS norms and the signed-sqrt gate (docs/spec.md section 4)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ple.reference import grouped_rms_norm, ple_gate
 SIZES = dict(T=st.sampled_from([1, 2, 7, 9]), M=st.integers(1, 3), H=st.sampled_from([1, 2, 3, 5, 7, 12]))
 
 
-# ---- an independent statement of SPEC section 4, in float64 -----------------------------------------
+# ---- an independent statement of docs/spec.md section 4, in float64 -----------------------------------------
 def spec_norm(x: torch.Tensor, w: torch.Tensor, H: int, eps: float) -> torch.Tensor:
     T, C = x.shape
     g = x.double().reshape(T, C // H, H)

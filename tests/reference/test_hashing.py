@@ -1,6 +1,6 @@
-"""Hash parameters and n-gram ids (SPEC sections 2 and 3).
+"""Hash parameters and n-gram ids (docs/spec.md sections 2 and 3).
 
-The library is checked against the SPEC's check values and against a small
+The library is checked against docs/spec.md's check values and against a small
 pure-Python statement of the window rule and the hash written here (loops and
 Python ints, no torch), on token streams full of EOS.
 """
@@ -21,7 +21,7 @@ MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
 
 
-# ---- an independent statement of SPEC sections 2 and 3 ---------------------------------------------
+# ---- an independent statement of docs/spec.md sections 2 and 3 ---------------------------------------------
 def py_splitmix64(x: int) -> int:
     z = (x + GOLDEN) % 2**64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
@@ -56,7 +56,7 @@ def py_head_sizes(base: int, NH: int, L: int) -> list[int]:
 
 
 def py_windows(tokens: list[int], ctx: list[int], N: int, eos: int) -> list[list[int]]:
-    """``w[0..N-1]`` (newest first) of every token of ``tokens``, read literally from SPEC section 3."""
+    """``w[0..N-1]`` (newest first) of every token of ``tokens``, read literally from docs/spec.md section 3."""
     full = list(ctx) + list(tokens)
     out = []
     for p in range(len(ctx), len(full)):
@@ -119,7 +119,7 @@ def lib_ids(tokens, cfg, *, L=0, dtype=torch.int64, **kw) -> torch.Tensor:
     )
 
 
-# ---- SPEC section 2 -------------------------------------------------------------------------------
+# ---- docs/spec.md section 2 -------------------------------------------------------------------------------
 def test_splitmix64_known_outputs():
     # The first two outputs of the SplitMix64 generator seeded with 0.
     assert splitmix64(0) == 0xE220A8397B1DCDAF
@@ -212,9 +212,9 @@ def test_real_preset_table_rows():
     assert p.num_rows % 128 == 0 and 0 <= p.num_rows - sum(sizes) < 128
 
 
-# ---- SPEC section 3 -------------------------------------------------------------------------------
+# ---- docs/spec.md section 3 -------------------------------------------------------------------------------
 def test_eos_example_windows():
-    # Oldest first, as the SPEC writes them.
+    # Oldest first, as docs/spec.md writes them.
     bigrams = [[99, 4], [4, 5], [5, 99], [99, 6]]
     trigrams = [[99, 99, 4], [99, 4, 5], [4, 5, 99], [99, 99, 6]]
     windows = py_windows([4, 5, 99, 6], [99, 99], 3, 99)

@@ -1,4 +1,4 @@
-"""``dilated_causal_conv``, the training conv (SPEC section 5): checked against ``torch.nn.functional.conv1d``,
+"""``dilated_causal_conv``, the training conv (docs/spec.md section 5): checked against ``torch.nn.functional.conv1d``,
 packed against dense, gradcheck, and bfloat16 against its float64 run."""
 
 from __future__ import annotations

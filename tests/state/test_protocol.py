@@ -1,4 +1,4 @@
-"""The batch protocol (SPEC section 7, last paragraph): a batch belongs to the cache that scheduled it and
+"""The batch protocol (docs/spec.md section 7, last paragraph): a batch belongs to the cache that scheduled it and
 to that moment; every hole is a ``ValueError`` naming ``batch``, ``layer``, ``cache`` or ``num_layers``,
 with nothing modified. Also the cache's own constructor and ``load`` errors."""
 
