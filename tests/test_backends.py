@@ -170,7 +170,7 @@ _OWN_CHECKS = {"ngram_ids": "ngram", "ngram_embedding": "ngram", "embedding_look
 # The exceptions, as the ``ple._checks`` docstring states them: the torch backend's ``ngram_embedding`` runs
 # ``ngram_meta`` and then its ``ngram_ids`` (``ngram_call``) and ``embedding_lookup`` (``lookup_meta``), and its
 # serving ``ple_prefill`` runs ``ple_conv_meta`` again through its ``ple_conv(validate=False)``.
-_CHECKED_AGAIN = {("torch", "ngram_embedding"), ("torch", "serving ple_prefill")}
+_CHECKED_AGAIN: set[tuple[str, str]] = set()
 
 
 def _valid_calls():

@@ -28,11 +28,8 @@ break.
 
 Once each: an op runs its own op's checks, ``<op>_meta`` once and ``<op>_values`` at most once, and
 no other op's. A composition has checks of its own and runs its parts unchecked: ``ple_prefill``
-(``prefill_*``) on every backend, ``ngram_embedding`` (``ngram_*`` with ``weight=``) on the reference
-and Triton backends. Two exceptions, in the torch backend, both metadata only (no value is read
-twice): its ``ngram_embedding`` runs ``ngram_meta`` and then its ``ngram_ids``' checks and
-``embedding_lookup``'s ``lookup_meta``; its serving ``ple_prefill`` runs ``ple_conv_meta`` again
-through ``ple_conv(validate=False)``. ``tests/test_backends.py`` records the checks each op runs on
+(``prefill_*``) and ``ngram_embedding`` (``ngram_*`` with ``weight=``) on every backend.
+``tests/test_backends.py`` records the checks each op runs on
 each backend and holds this paragraph to them.
 
 Modules, one concern each (everything is re-exported here, so callers write ``_checks.<name>``):

@@ -1,6 +1,7 @@
 """The ``"torch"`` backend: the ops of ``ple.reference`` vectorised in eager PyTorch (docs/spec.md section 7).
 
-Same names, signatures and docstrings as ``ple.reference`` (``ple.backends.twin``), the same
+Same names and signatures as ``ple.reference``, each op's docstring the reference's followed by this
+backend's notes (``ple.backends.twin``), the same
 rounding points, so in bfloat16 it equals the reference (and transformers) bit for bit; conv
 states are equal bit for bit in every dtype. Unlike the reference, nothing here reads a tensor's
 values on the host once the checks have run (``validate=False`` skips those too): requests are

@@ -114,6 +114,16 @@ def ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Ten
           query_start_loc=query_start_loc, has_initial_states=has_initial_states,
           num_accepted_tokens=num_accepted_tokens, spec_query_len=spec_query_len,
           token_indices=token_indices, outer_residual=outer_residual, null_slot=null_slot)
+    _ple_conv(inputs, residual, conv_state, conv_weights, state_indices, mode, dilation, query_start_loc,
+              has_initial_states, num_accepted_tokens, spec_query_len, token_indices, outer_residual, null_slot)
+
+
+def _ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Tensor, conv_weights: torch.Tensor,
+              state_indices: torch.Tensor, mode: str, dilation: int, query_start_loc: torch.Tensor | None,
+              has_initial_states: torch.Tensor | None, num_accepted_tokens: torch.Tensor | None,
+              spec_query_len: int, token_indices: torch.Tensor | None, outer_residual: torch.Tensor | None,
+              null_slot: int) -> None:
+    """`ple_conv` after its checks (a composition that checked its whole call, ``ple_prefill``, calls this)."""
     R = state_indices.numel()
     if mode == "decode":
         if takes_row_path(inputs, conv_state, conv_weights, state_indices, null_slot):

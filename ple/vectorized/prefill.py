@@ -24,7 +24,7 @@ from .. import _checks
 from .. import reference as _reference
 from ..backends import twin
 from ..reference.gate import acc_dtype
-from .conv import ple_conv
+from .conv import _ple_conv
 from .gate import BLOCK_ROWS, BlockGate, gate, records_grad
 from .training_conv import _conv, conv_activation
 
@@ -66,9 +66,8 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
         return (gated + y) + hidden_states
     assert state_indices is not None                                          # checked by prefill_meta
     out = gated.clone() if grad else gated
-    ple_conv(conv_input, out, conv_state, conv_weights, state_indices, mode="prefill", dilation=dilation,
-             query_start_loc=query_start_loc, has_initial_states=has_initial_states, token_indices=token_indices,
-             outer_residual=hidden_states, null_slot=null_slot, validate=False)
+    _ple_conv(conv_input, out, conv_state, conv_weights, state_indices, "prefill", dilation, query_start_loc,
+              has_initial_states, None, 1, token_indices, hidden_states, null_slot)
     if token_indices is not None:
         covered = torch.zeros(key.shape[0], dtype=torch.bool, device=key.device)
         covered[token_indices.to(torch.int64)] = True
