@@ -28,6 +28,7 @@ def run_all(monkeypatch):
     return run_all
 
 
+@pytest.mark.deep           # ~25 s; the quick tier runs bench_layer_cpu's smoke (below)
 @pytest.mark.interpreter
 def test_benchmarks_smoke_and_the_report(run_all, tmp_path):
     """``run_all.py --gpu-report --smoke``: every benchmark on tiny shapes, rows to the CSV, the report written."""

@@ -151,6 +151,7 @@ def test_check_layer_passes_on_reference_and_catches_a_planted_prefill():
     assert "serving" in str(e.value) and "case:" in str(e.value)
 
 
+@pytest.mark.deep           # ~17 s interpreted; quick: tests/fast/test_layer.py and the per-op kit checks of ple.fast
 @pytest.mark.interpreter
 def test_check_layer_passes_on_fast_ops():
     from ple import fast

@@ -170,11 +170,13 @@ def test_a_null_slot_outside_the_state(conv_path, mode, dtype):
                 assert torch.equal(bits(a), bits(b))
 
 
-def test_compiled_serving_path_matches_the_reference():
+@pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.deep)])
+def test_compiled_serving_path_matches_the_reference(compiler):
     """The general path under ``torch.compile(fullgraph=True)`` on PLECache's layout with null-slot
     requests (a compiled decode never takes the row path): states bit for bit, outputs within the tolerance
-    table (inductor may fuse the rounding)."""
-    compiled = torch.compile(vec.ple_conv, fullgraph=True, dynamic=False)
+    table (inductor may fuse the rounding). The quick tier traces through ``aot_eager`` (the graph inductor
+    gets, run eagerly); the deep tier compiles it with inductor (~20 s of C++ with an empty cache)."""
+    compiled = torch.compile(vec.ple_conv, fullgraph=True, dynamic=False, backend=compiler)
     base = dict(mode="decode", C=16, K=4, dilation=1, spec_len=1, lens=[1, 1, 1], state_dtype="same",
                 weight_layout="ck", layout="wc", extra_w=0, extra_slots=1, null_at_end=True,
                 null_requests=[False, True, False], init=None, init_values=[True, True, True],
