@@ -123,7 +123,7 @@ class NGramEmbedding(nn.Module):
                           self.ngram_embedding.num_rows, self.vocab_size)
 
     def quantize_(self, scheme: str) -> None:
-        """Replace the float table by its quantization, in place: ``"fp8"`` or ``"int8"`` (``ple.quant``).
+        """Replace the float table by its quantization, in place: ``"fp8"``, ``"int8"`` or ``"nf4"`` (``ple.quant``).
         A table whose values are not in memory (on the meta device, e.g. ``ple.io.disk.DiskTable``) is a
         ``ValueError``: quantize its checkpoint with ``ple.io.convert`` instead."""
         if self.ngram_embedding.weight.device.type == "meta":

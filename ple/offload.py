@@ -73,7 +73,8 @@ def offload_table(layer: PLELayer, *, pin: bool | None = None) -> PLELayer:
 
     Move the layer to its device first (``layer.to("cuda")`` moves the table too), then
     offload. ``pin`` (default: whether CUDA is available) pins the host copy, which
-    asynchronous copies need. Works for float and quantized tables (``Table.offload_``).
+    asynchronous copies need. Works for float, FP8 and int8 tables (``Table.offload_``); an NF4 table is
+    refused (a ``ValueError``), not yet supported.
     """
     layer.table.offload_(pin=pin)
     return layer

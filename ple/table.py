@@ -8,8 +8,9 @@ hash ids ``[T, NH]`` in ``dtype``, on ``ids``'s device.
 ==========================  ===============================================================
 `DenseTable`                a float ``weight`` Parameter ``[rows, D]`` (trainable; optionally
                             with sparse gradients)
-`QuantizedTable`            FP8 or int8 ``weight`` buffer and its float32 ``weight_scale``
-                            (``ple.quant``); no gradient
+`QuantizedTable`            FP8 or int8 ``weight`` buffer and its float32 ``weight_scale``,
+                            or NF4 packed uint8 rows with their scales inside (``ple.quant``);
+                            no gradient
 either, sharded             its tensors DTensors on a device mesh (``ple.distributed``'s
                             ``TableRowwise`` / ``TableColwise``): each rank holds a piece and
                             the lookup is a collective, dispatched through the hook
@@ -28,7 +29,12 @@ the next `rows` call with the same ids uses the fetched rows. The prefetch state
 in the table.
 
 Every path gives the bits of the in-memory lookup: a gather is a copy, and
-dequantization is one elementwise formula (``(q.float() * scale).to(dtype)``).
+dequantization is one elementwise formula (``(q.float() * scale).to(dtype)``; NF4:
+``level[code] * float(scale)``), applied to the rows gathered only. NF4 rows are unpacked by
+the backend's own ``nf4_dequantize_rows`` where its op module has one (``ple.reference``: the
+readable statement) and by ``ple.quant.dequantize_rows`` (vectorised) otherwise; both give the
+same bits. An NF4 table is not yet offloaded, sharded or read from a checkpoint (each refuses it
+with a ``ValueError``).
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ FLOAT_TABLE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float1
 
 
 def is_float_table(dtype: torch.dtype) -> bool:
-    """A trainable float table (float16/bfloat16/float32/float64); anything else (int8, FP8) is quantized."""
+    """A trainable float table (float16/bfloat16/float32/float64); anything else (int8, FP8, NF4) is quantized."""
     return dtype in FLOAT_TABLE_DTYPES
 
 
@@ -116,6 +122,11 @@ class Table(nn.Module):
         return self.scale is not None or not is_float_table(self.weight.dtype)
 
     @property
+    def _packed(self) -> bool:
+        """NF4: ``weight`` holds packed uint8 rows, each with its scale (``ple.quant``)."""
+        return self.weight.dtype == torch.uint8
+
+    @property
     def pending_prefetch(self) -> Prefetch | None:
         """The prefetch `rows` will consume next (``ple.offload``), or None."""
         return self._pending
@@ -134,13 +145,21 @@ class Table(nn.Module):
         if pending is not None:
             got = self._take(pending, ids)
             if got is not None:
-                return self._values(*got, dtype)
+                return self._values_on(ops, *got, dtype)
         return self.lookup(ids, dtype, ops=ops, validate=validate)
 
     def _values(self, rows: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         """Stored rows ``[T, NH * D]`` (and their scale) as values in ``dtype``: dequantized, or cast."""
+        if self._packed:                                     # NF4: the scales are in the rows
+            return dequantize_rows(rows, None, dtype, dim=self.dim)
         # A quantized table has a scale (only a table with a float weight and no scale is not).
         return dequantize_rows(rows, cast(torch.Tensor, scale), dtype) if self.quantized else rows.to(dtype)
+
+    def _values_on(self, ops: ModuleType | CustomOps, rows: torch.Tensor, scale: torch.Tensor | None,
+                   dtype: torch.dtype) -> torch.Tensor:
+        """`_values`, but NF4 rows go through ``ops.nf4_dequantize_rows`` where the op module has one."""
+        unpack = getattr(ops, "nf4_dequantize_rows", None) if self._packed else None
+        return unpack(rows, self.dim, dtype) if unpack is not None else self._values(rows, scale, dtype)
 
     @property
     def is_dtensor(self) -> bool:
@@ -169,7 +188,7 @@ class Table(nn.Module):
             rows = rows.to(ids.device, non_blocking=rows.is_pinned())
             if scale is not None:
                 scale = scale.to(ids.device, non_blocking=scale.is_pinned())
-        return self._values(rows, scale, dtype)
+        return self._values_on(ops, rows, scale, dtype)
 
     def _take(self, pending: Prefetch, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``(rows, row_scale)`` of a pending prefetch if it may be used for ``ids``, else None (warns)."""
@@ -195,6 +214,9 @@ class Table(nn.Module):
         if self.is_dtensor:
             raise NotImplementedError("offload_: a DTensor table is looked up collectively; keep each rank's piece "
                                       "on its device")
+        if self._packed:
+            raise ValueError("table: an NF4 table is not kept in host memory yet (docs/spec.md section 13); keep it "
+                             "on the layer's device")
         pin = torch.cuda.is_available() if pin is None else bool(pin)
 
         def host(t: torch.Tensor) -> torch.Tensor:
@@ -261,38 +283,61 @@ class DenseTable(Table):
 
 
 class QuantizedTable(Table):
-    """A quantized ``[rows, D]`` table: buffers ``weight`` (fp8 or int8) and ``weight_scale`` (float32).
+    """A quantized ``[rows, D]`` table: buffers ``weight`` (fp8 or int8) and ``weight_scale`` (float32), or NF4.
 
     ``weight_scale`` is ``[1]`` for FP8 (per tensor) and ``[rows, 1]`` for int8 (per row),
-    see ``ple.quant``. No parameters (a quantized table is not trained). Moving it
-    (``.to(device)``) moves the buffers; a dtype cast (``layer.to(torch.bfloat16)``) leaves
-    both as they are, bit for bit.
+    see ``ple.quant``. An NF4 table has ``weight`` uint8 ``[rows, D/2 + 4]`` (each row's codes
+    and float16 scale, docs/spec.md section 13) and no ``weight_scale``; its `dim` is D. No
+    parameters (a quantized table is not trained). Moving it (``.to(device)``) moves the
+    buffers; a dtype cast (``layer.to(torch.bfloat16)``) leaves them as they are, bit for bit.
     """
 
-    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> None:
         super().__init__()
-        s = scheme_of(weight.dtype)
-        if s is None or weight.dim() != 2:
+        s = scheme_of(weight.dtype) if isinstance(weight, torch.Tensor) else None
+        if s is None or weight.dim() != 2 or (s.packed and weight.shape[1] < 5):
+            what = f"{weight.dtype} {tuple(weight.shape)}" if isinstance(weight, torch.Tensor) \
+                else type(weight).__name__
             raise ValueError(f"weight: expected a 2-D {' or '.join(str(x.dtype) for x in SCHEMES.values())} "
-                             f"tensor, got {weight.dtype} {tuple(weight.shape)}")
+                             f"tensor (uint8: NF4 rows of D/2 + 4 bytes, D >= 2), got {what}")
+        if s.packed:
+            if weight_scale is not None:
+                raise ValueError("weight_scale: an NF4 table has none (each row holds its float16 scale); "
+                                 "pass None")
+            self.register_buffer("weight", weight)
+            return
         want = (weight.shape[0], 1) if s.per_row else (1,)
-        if weight_scale.dtype != torch.float32 or tuple(weight_scale.shape) != want:
-            raise ValueError(f"weight_scale: expected float32 {want} for a {s.name} table, got "
-                             f"{weight_scale.dtype} {tuple(weight_scale.shape)}")
+        if not isinstance(weight_scale, torch.Tensor) or weight_scale.dtype != torch.float32 \
+                or tuple(weight_scale.shape) != want:
+            what = f"{weight_scale.dtype} {tuple(weight_scale.shape)}" if isinstance(weight_scale, torch.Tensor) \
+                else repr(weight_scale)
+            raise ValueError(f"weight_scale: expected float32 {want} for a {s.name} table, got {what}")
         self.register_buffer("weight", weight)
         self.register_buffer("weight_scale", weight_scale)
 
     @classmethod
     def from_float(cls, table: torch.Tensor, scheme: Scheme | str) -> QuantizedTable:
+        """The quantization of a float table ``[rows, D]`` (``ple.quant.quantize``): fp8, int8 or nf4."""
         return cls(*quantize(table, scheme))
 
     @classmethod
     def empty(cls, num_rows: int, dim: int, scheme: Scheme | str, device: Device = None) -> QuantizedTable:
-        """An uninitialised table (e.g. on the meta device, filled by ``load_state_dict(assign=True)``)."""
+        """An uninitialised table (e.g. on the meta device, filled by ``load_state_dict(assign=True)``).
+
+        NF4: ``weight`` is uint8 ``[num_rows, dim/2 + 4]`` (``dim`` even: else a ``ValueError``
+        naming ``dim``) and there is no ``weight_scale``.
+        """
         s = as_scheme(scheme)
+        weight = torch.empty(num_rows, s.weight_width(dim), dtype=s.dtype, device=device)
+        if s.packed:
+            return cls(weight)
         scale_shape = (num_rows, 1) if s.per_row else (1,)
-        return cls(torch.empty(num_rows, dim, dtype=s.dtype, device=device),
-                   torch.ones(scale_shape, dtype=torch.float32, device=device))
+        return cls(weight, torch.ones(scale_shape, dtype=torch.float32, device=device))
+
+    @property
+    def dim(self) -> int:
+        """D, the values per row (an NF4 row stores them in ``D/2 + 4`` bytes)."""
+        return self.scheme.dim_of(self.weight.shape[1])
 
     @property
     def scheme(self) -> Scheme:

@@ -134,6 +134,8 @@ def shard_table_(table: nn.Module, mesh: DeviceMesh, placement: str = "row", *, 
     if not isinstance(table, Table) or not isinstance(getattr(table, "weight", None), torch.Tensor):
         raise TypeError(f"module: expected the layer's table (ple_embedding.ngram_embedding, a ple.table.Table), "
                         f"got {type(table).__name__}")
+    if table.weight.dtype == torch.uint8:
+        raise ValueError("table: an NF4 table (packed uint8 rows) is not sharded yet (docs/spec.md section 13)")
     if placement not in PLACEMENTS:
         raise ValueError(f"placement: expected one of {PLACEMENTS}, got {placement!r}")
     if reduce not in _REDUCES:
@@ -337,6 +339,8 @@ def join_table_lookup(layer: PLELayer) -> None:
     where the others call ``layer.step`` (or ``layer(...)``).
     """
     table = layer.table
+    if table.weight.dtype == torch.uint8:
+        raise ValueError("layer: its table is NF4, which is not sharded yet (docs/spec.md section 13)")
     if getattr(table, "dtensor_tokens", None) != "sharded":
         raise ValueError("layer: its table is not a DTensor with per-rank tokens (input_layouts=Shard(0)); "
                          "with replicated tokens every rank runs every step")

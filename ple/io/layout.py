@@ -230,6 +230,9 @@ def plan_layer(ckpt: Checkpoint, config: PLEConfig, ple_layer_index: int, prefix
     info: TensorInfo | None
     for key, (a, b) in zip(keys, ranges, strict=True):
         info = ckpt.info(prefix + key)
+        if info.dtype == torch.uint8:
+            _fail(prefix, key, "a uint8 (NF4) table: NF4 tables are not read from checkpoints yet (docs/spec.md "
+                               "section 13)")
         if info.shape != (b - a, D):
             what = f"rows [{a}, {b}) of the {rows}-row table" if key != TABLE else f"the {rows}-row table"
             _fail(prefix, key, f"expected shape {[b - a, D]} ({what}, D = {D}), got {list(info.shape)}")

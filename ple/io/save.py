@@ -55,16 +55,18 @@ TABLE_DTYPES: dict[str, torch.dtype | Scheme] = {
 
 def parse_table_dtype(value: TableDtype) -> torch.dtype | Scheme | None:
     """``None`` (keep), a float ``torch.dtype``, a `Scheme`, or one of the names in ``TABLE_DTYPES``."""
-    if value is None or isinstance(value, Scheme):
+    if value is None or isinstance(value, Scheme) and not value.packed:
         return value
     if isinstance(value, torch.dtype):
         s = scheme_of(value)
-        if s is not None:
+        if s is not None and not s.packed:
             return s
         if value in (torch.bfloat16, torch.float16, torch.float32):
             return value
     if isinstance(value, str) and value in TABLE_DTYPES:
         return TABLE_DTYPES[value]
+    if value == "nf4" or value is torch.uint8 or isinstance(value, Scheme):
+        raise ValueError("table_dtype: NF4 tables are not written to checkpoints yet (docs/spec.md section 13)")
     raise ValueError(f"table_dtype: expected one of {sorted(TABLE_DTYPES)} (or None to keep it), got "
                      f"{value!r}")
 
@@ -160,7 +162,8 @@ def table_entries(src: _TableSource, prefix: str, parts: int, target: TableDtype
             if same:
                 yield cast(torch.Tensor, s)                           # an int8 source's blocks have scales
             else:
-                yield quantize(v.float() if s is None else dequantize(v, s, torch.float32), cast(Scheme, kind))[1]
+                yield cast(torch.Tensor, quantize(v.float() if s is None else dequantize(v, s, torch.float32),
+                                                  cast(Scheme, kind))[1])
 
     entries = []
     for k, (name, (a, b)) in enumerate(zip(names, ranges, strict=True)):
@@ -269,6 +272,8 @@ def save(layers: PLELayer | list[PLELayer] | tuple[PLELayer, ...], path: str | o
         if la.table.weight.device.type == "meta":              # e.g. a DiskTable: its values are in its files
             raise ValueError(f"layers: a table whose values are not in memory ({type(la.table).__name__}) is "
                              f"not saved from the layer; convert its checkpoint with ple.io.convert")
+        if la.table.weight.dtype == torch.uint8:
+            raise ValueError("layers: an NF4 table is not written to checkpoints yet (docs/spec.md section 13)")
     table_dtype = parse_table_dtype(table_dtype)
     schemes = {table_dtype if table_dtype is not None else scheme_of(la.table.weight.dtype) for la in layers}
     scheme = next((s for s in schemes if isinstance(s, Scheme)), None)

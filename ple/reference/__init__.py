@@ -14,6 +14,9 @@ against this package.
 What the other backends share with this one: the public op names of ``__all__`` below, each with
 this package's signature and docstring (``ple.backends.twin``); ``HashParams``, ``hash_params``,
 ``splitmix64`` and ``grouped_rms_norm`` are this package's own objects, re-exported by both.
+``nf4_dequantize_rows`` is not an op and is this package's alone: the readable unpacking of NF4 table
+rows (docs/spec.md section 13), which a table uses when its ``ops`` have it (this package); on the
+other backends ``ple.quant.dequantize_rows`` unpacks them, vectorised, to the same bits.
 What they do not share: the module layout. Each keeps a module per part where that fits
 (``hashing``, ``embedding``, ``gate``, ``conv``, ``training_conv``, ``prefill``) but places ops
 where its implementation needs them (``ple.fast.ngram_embedding`` is the fused hash-and-gather of
@@ -29,7 +32,7 @@ nothing is checked twice.
 """
 
 from .conv import export_conv_checkpoints, ple_conv
-from .embedding import embedding_lookup, ngram_embedding
+from .embedding import embedding_lookup, nf4_dequantize_rows, ngram_embedding
 from .gate import grouped_rms_norm, ple_gate
 from .hashing import HashParams, hash_params, ngram_ids, splitmix64
 from .prefill import ple_prefill
@@ -40,4 +43,5 @@ __all__ = [
     "ple_gate", "ple_conv", "export_conv_checkpoints", "dilated_causal_conv",
     "ngram_embedding",  # the composition ngram_ids -> embedding_lookup, as one op (ple.fast fuses it)
     "ple_prefill",      # the composition gate -> mask -> conv -> adds, as one op (ple.fast fuses it)
+    "nf4_dequantize_rows",  # not an op: NF4 rows to values, as docs/spec.md section 13 states it
 ]

@@ -6,6 +6,8 @@ token), 7.4 (``embedding_lookup``) and 7.5 (``ngram_embedding``).
 ``embedding_lookup`` gathers rows by id; ``ngram_embedding`` is the composition
 ``ngram_ids -> embedding_lookup`` (its call checked once, then the two ops' bodies);
 ``embedding_lookup_sparse_grad`` wraps any backend's lookup so that the table's gradient is sparse.
+``nf4_dequantize_rows`` (not an op of section 7) turns gathered NF4 rows into values, as docs/spec.md
+section 13 states it; the table uses it when it runs on this backend.
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import torch
 import torch.nn.functional as F
 
 from .. import _checks
+from ..quant import NF4_LEVELS
 from .hashing import HashParams, _ngram_ids
 
-__all__ = ["embedding_lookup", "ngram_embedding", "embedding_lookup_sparse_grad"]
+__all__ = ["embedding_lookup", "ngram_embedding", "embedding_lookup_sparse_grad", "nf4_dequantize_rows"]
 
 
 def embedding_lookup(weight: torch.Tensor, ids: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
@@ -130,3 +133,50 @@ def embedding_lookup_sparse_grad(weight: torch.Tensor, ids: torch.Tensor,
     value equals the dense gradient. ``lookup`` is the backend's ``embedding_lookup``.
     """
     return _SparseGradLookup.apply(weight, ids, lookup)    # ``lookup`` validates the call
+
+
+def nf4_dequantize_rows(rows: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """Gathered NF4 rows -> their values (docs/spec.md section 13): uint8 ``[T, NH * (D/2 + 4)]`` -> ``[T, NH * D]``.
+
+    The reference statement of the unpacking, step by step: each stored row of ``D/2 + 4``
+    bytes holds value ``2i`` in the low nibble of byte ``i`` and value ``2i+1`` in its high
+    nibble (a code 0..15 into ``ple.quant.NF4_LEVELS``, float32), its scale as a
+    little-endian float16 in bytes ``D/2`` and ``D/2 + 1``, then two zero bytes. A value is
+    ``level[code] * float(scale)`` in float32, rounded once to ``dtype``. ``ple.quant.dequantize_rows``
+    (the other backends') gives the same bits, vectorised.
+
+    Args:
+        rows: uint8 ``[T, NH * (D/2 + 4)]``, NF4 rows as the table stores them (e.g. gathered by
+            ``embedding_lookup``).
+        dim: D, the values per row (even, at least 2).
+        dtype: the output dtype.
+
+    Raises:
+        ValueError: ``rows`` is not uint8 ``[T, NH * (D/2 + 4)]``; ``dim`` is odd or below 2.
+    """
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2 or dim % 2:
+        raise ValueError(f"dim: expected an even number of values per row, at least 2; got {dim!r}")
+    width = dim // 2 + 4                                   # bytes of one stored row
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() != 2 \
+            or rows.shape[1] % width:
+        what = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
+        raise ValueError(f"rows: expected uint8 [T, NH * {width}] (NF4 rows of D = {dim}), got {what}")
+    T = rows.shape[0]
+    NH = rows.shape[1] // width
+    stored = rows.reshape(T * NH, width).long()            # one stored row per line, bytes as integers
+    levels = NF4_LEVELS.to(rows.device)
+
+    # The codes: byte i holds value 2i (low nibble) and value 2i+1 (high nibble).
+    values = torch.empty(T * NH, dim, dtype=torch.float32, device=rows.device)
+    for i in range(dim // 2):
+        byte = stored[:, i]
+        values[:, 2 * i] = levels[byte % 16]
+        values[:, 2 * i + 1] = levels[byte // 16]
+
+    # The scale: bytes D/2 (low) and D/2 + 1 (high) are a float16's 16 bits, read back as float32.
+    bits = stored[:, dim // 2] + 256 * stored[:, dim // 2 + 1]
+    signed = torch.where(bits >= 2**15, bits - 2**16, bits)                   # as int16 holds them
+    scale = signed.to(torch.int16).view(torch.float16).to(torch.float32)
+
+    # level[code] * scale in float32, then one rounding to the output dtype.
+    return (values * scale[:, None]).to(dtype).reshape(T, NH * dim)
