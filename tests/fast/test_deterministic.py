@@ -46,8 +46,11 @@ def _run(config, dtype, seed):
     return [out.detach(), hidden.grad] + [p.grad for p in layer.parameters()]
 
 
-@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.deep),  # quick: bf16
-                                   torch.bfloat16])
+# The deep tier: the whole layer (~17 s interpreted); the quick tier checks each kernel's deterministic
+# backward on its own (tests/fast/test_gate.py, test_embedding.py, test_hashing.py,
+# test_training_conv_deterministic.py).
+@pytest.mark.deep
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_layer_bits_do_not_depend_on_runs_or_block_sizes(dtype, monkeypatch, deterministic_mode):
     config = ple.PLEConfig(vocab_size=40, hidden_size=40, hc_count=2, ple_embed_dim=12, ple_conv_kernel_size=4,
                            ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=11,
