@@ -33,8 +33,8 @@ dequantization is one elementwise formula (``(q.float() * scale).to(dtype)``; NF
 ``level[code] * float(scale)``), applied to the rows gathered only. NF4 rows are unpacked by
 the backend's own ``nf4_dequantize_rows`` where its op module has one (``ple.reference``: the
 readable statement) and by ``ple.quant.dequantize_rows`` (vectorised) otherwise; both give the
-same bits. An NF4 table is not yet offloaded, sharded or read from a checkpoint (each refuses it
-with a ``ValueError``).
+same bits. An NF4 table is saved to and loaded from checkpoints (``ple.io``), but not yet
+offloaded (to host memory or disk) or sharded (each refuses it with a ``ValueError``).
 """
 
 from __future__ import annotations

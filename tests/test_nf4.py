@@ -11,7 +11,10 @@ two a byte (low nibble first), the scale as a little-endian float16, two zero by
 
 from __future__ import annotations
 
+import json
 import math
+import pathlib
+import re
 import struct
 
 import pytest
@@ -384,7 +387,7 @@ def test_error_report(capsys):
         print("\n" + "\n".join(lines))
 
 
-# ---- (d) what refuses NF4 for now ------------------------------------------------------------------------
+# ---- (d) what refuses NF4 for now (checkpoints take it: (e)) ---------------------------------------------------------
 def test_host_offload_refuses_nf4():
     layer = nf4_layer("torch", torch.float32)
     with pytest.raises(ValueError, match="^table: an NF4 table is not kept in host memory"):
@@ -401,32 +404,190 @@ def test_sharding_refuses_nf4():
         join_table_lookup(layer)
 
 
-def test_checkpoints_refuse_nf4(tmp_path):
+# ---- (e) NF4 checkpoints ---------------------------------------------------------------------------------
+def _weights(path) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(pathlib.Path(path).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def _table_keys(tensors: dict[str, torch.Tensor], prefix: str) -> list[str]:
+    return sorted((k for k in tensors if k.startswith(prefix) and ".ngram_embedding." in k),
+                  key=lambda k: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", k)])
+
+
+@pytest.mark.parametrize("parts", [0, 3, None])
+def test_nf4_checkpoint_round_trip(tmp_path, parts, monkeypatch):
+    """An NF4 layer saved (whole or in shards) and loaded back: the packed rows bit for bit, no weight_scale,
+    the config marked ple-only, and the loaded layer computes what the saved one did."""
     layer = nf4_layer("torch", torch.float32)
-    with pytest.raises(ValueError, match="^layers: an NF4 table is not written"):
-        ple.io.save(layer, tmp_path / "a")
+    with pytest.raises(ValueError, match="^table_dtype: transformers would load this checkpoint wrong .*nf4 table"):
+        ple.io.save(layer, tmp_path / "m", parts=parts)
+    assert not (tmp_path / "m").exists()
+    ple.io.save(layer, tmp_path / "m", parts=parts, ple_only=True, block_bytes=40)     # several blocks a shard
+    D = layer.config.ngram_head_dim
+    tensors = _weights(tmp_path / "m")
+    pfx = ple.io.model_prefix(layer.config, 0)
+    keys = _table_keys(tensors, pfx)
+    n = layer.config.split_ngram_parts if parts is None else parts
+    assert keys == ([pfx + "ple_embedding.ngram_embedding.weight"] if n == 0 else
+                    [pfx + f"ple_embedding.ngram_embedding.shard_{k}.weight" for k in range(n)])
+    assert all(tensors[k].dtype == torch.uint8 and tensors[k].shape[1] == D // 2 + 4 for k in keys)
+    assert_bitwise_equal(torch.cat([tensors[k] for k in keys]), layer.table.weight, name="saved rows")
+    assert not any("weight_scale" in k for k in tensors)
+    marks = json.loads((tmp_path / "m" / "config.json").read_text())["ple_only"]
+    assert any(m.startswith("nf4 table: ") and "packed uint8 rows" in m for m in marks)
+    largest = []                                                 # bytes of each table block read
+    read = ple.io.Checkpoint.read
+
+    def spy(self, key, start=None, stop=None):
+        t = read(self, key, start, stop)
+        if ".ngram_embedding." in key:
+            largest.append(t.numel() * t.element_size())
+        return t
+
+    monkeypatch.setattr(ple.io.Checkpoint, "read", spy)
+    back, report = ple.io.load_layer(tmp_path / "m", block_bytes=40, return_report=True)
+    assert 0 < max(largest) <= 40                                # streamed in blocks of at most block_bytes
+    monkeypatch.undo()
+    assert "uint8 (nf4)" in report.table
+    assert isinstance(back.table, QuantizedTable) and back.table.scheme is SCHEMES["nf4"]
+    assert back.table.dim == D and back.table.scale is None
+    assert_bitwise_equal(back.table.weight, layer.table.weight, name="loaded rows")
+    for name, t in layer.state_dict().items():
+        assert_bitwise_equal(back.state_dict()[name], t, name=name)
+    back.set_backend("torch")
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(2, 7, TINY.hc_hidden_size, generator=g)
+    ids = torch.randint(0, TINY.vocab_size, (2, 7), generator=g)
+    with torch.no_grad():
+        assert_bitwise_equal(back(hidden, ids), layer(hidden, ids), name="layer output")
+    rows, scale = ple.io.read_table_rows(tmp_path / "m", start=3, end=11, block_bytes=7)
+    assert scale is None and torch.equal(rows, layer.table.weight[3:11])
+
+
+def test_saving_a_float_layer_as_nf4_gives_quantize_bytes(tmp_path):
     floats = random_layer(TINY, 0, torch.float32, seed=1)
-    for spelled in ("nf4", torch.uint8, SCHEMES["nf4"]):
-        with pytest.raises(ValueError, match="^table_dtype: NF4"):
-            ple.io.save(floats, tmp_path / "b", table_dtype=spelled)
+    want = quantize(floats.table.weight.detach(), "nf4")[0]
+    for i, spelled in enumerate(("nf4", torch.uint8, SCHEMES["nf4"])):
+        with pytest.raises(ValueError, match="^table_dtype: transformers would load"):
+            ple.io.save(floats, tmp_path / f"no{i}", table_dtype=spelled)
+        ple.io.save(floats, tmp_path / f"m{i}", table_dtype=spelled, parts=2, ple_only=True, block_bytes=50)
+        assert_bitwise_equal(ple.io.load_layer(tmp_path / f"m{i}").table.weight, want, name=f"{spelled}")
+        assert not (tmp_path / f"no{i}").exists()
+
+
+def test_convert_to_and_from_nf4(tmp_path, capsys):
+    from ple.__main__ import main
+
+    floats = random_layer(TINY, 0, torch.float32, seed=1)
+    want = quantize(floats.table.weight.detach(), "nf4")[0]
     ple.io.save(floats, tmp_path / "c", parts=0)
-    with pytest.raises(ValueError, match="^table_dtype: NF4"):
+    with pytest.raises(ValueError, match="^table_dtype: transformers would load .*nf4 table"):
         ple.io.convert(tmp_path / "c", tmp_path / "d", table_dtype="nf4")
-    assert not (tmp_path / "a").exists() and not (tmp_path / "d").exists()
+    assert not (tmp_path / "d").exists()
+    out = ple.io.convert(tmp_path / "c", tmp_path / "d", table_dtype="nf4", parts=3, ple_only=True,
+                         block_bytes=30)
+    assert out["tables"] == ["3 shards, uint8 (nf4)"]
+    assert_bitwise_equal(ple.io.load_layer(tmp_path / "d").table.weight, want, name="converted")
+    assert json.loads((tmp_path / "d" / "config.json").read_text())["ple_only"]
+    # The CLI: --table-dtype nf4 needs --ple-only; inspect shows the scheme.
+    assert main(["convert", str(tmp_path / "c"), str(tmp_path / "e"), "--table-dtype", "nf4"]) == 2
+    assert "error: table_dtype: transformers would load" in capsys.readouterr().err
+    assert main(["convert", str(tmp_path / "c"), str(tmp_path / "e"), "--table-dtype", "nf4", "--ple-only"]) == 0
+    assert "whole, uint8 (nf4)" in capsys.readouterr().out
+    assert_bitwise_equal(ple.io.load_layer(tmp_path / "e").table.weight, want, name="CLI converted")
+    assert main(["inspect", str(tmp_path / "e")]) == 0
+    text = capsys.readouterr().out
+    assert "uint8 (nf4), whole" in text and "for ple only (marked so in the checkpoint)" in text
+    assert main(["inspect", str(tmp_path / "e"), "--json"]) == 0
+    table = json.loads(capsys.readouterr().out)["layers"][0]["table"]
+    assert table["scheme"] == "nf4" and table["dim"] == TINY.ngram_head_dim
+    # Back: NF4 -> bfloat16 is the dequantized table, and the ple-only mark goes.
+    ple.io.convert(tmp_path / "d", tmp_path / "f", table_dtype="bfloat16", block_bytes=30)
+    tensors = _weights(tmp_path / "f")
+    rows = torch.cat([tensors[k] for k in _table_keys(tensors, "")])
+    assert_bitwise_equal(rows, dequantize(want, None, torch.bfloat16), name="NF4 -> bfloat16")
+    assert "ple_only" not in json.loads((tmp_path / "f" / "config.json").read_text())
 
 
-def test_loading_an_nf4_table_is_refused(tmp_path):
-    """A checkpoint whose table is uint8 (NF4 rows) is refused by every loader, the disk table too."""
-    floats = random_layer(TINY, 0, torch.float32, seed=1)
-    (path,) = ple.io.save(floats, tmp_path / "m", parts=0)
+def test_nf4_table_is_not_offloaded_from_a_checkpoint(tmp_path):
+    ple.io.save(nf4_layer("torch", torch.float32), tmp_path / "m", ple_only=True)
+    with pytest.raises(ValueError, match="^offload: an NF4 table is not kept in host memory"):
+        ple.io.load_layer(tmp_path / "m", offload=True)
+    with pytest.raises(ValueError, match="^offload: an NF4 table is not read from its files"):
+        ple.io.load_layer(tmp_path / "m", offload="disk")
+    ckpt = ple.io.Checkpoint.open(tmp_path / "m")
+    plan = ple.io.plan_layer(ckpt, TINY, 0, ple.io.model_prefix(TINY, 0))
+    from ple.io.disk import DiskTable
+
+    with pytest.raises(ValueError, match="^table: an NF4 table is not read from its files"):
+        DiskTable.from_checkpoint(ckpt, plan)
+
+
+def _damage(tmp_path, change, parts=0):
+    """An NF4 checkpoint (one file) whose tensors ``change`` edits in place; returns its file."""
+    ple.io.save(nf4_layer("torch", torch.float32), tmp_path / "m", parts=parts, ple_only=True)
+    (path,) = (tmp_path / "m").glob("*.safetensors")
     tensors = load_file(path)
-    key = next(k for k in tensors if k.endswith("ngram_embedding.weight"))
-    tensors[key] = quantize(tensors[key], "nf4")[0]
     from safetensors import safe_open
 
     with safe_open(path, "pt") as fh:
         metadata = fh.metadata()
+    change(tensors)
     save_file(tensors, path, metadata=metadata)
-    for offload in (False, True, "disk"):
-        with pytest.raises(ValueError, match="ngram_embedding.weight: a uint8 \\(NF4\\) table"):
-            ple.io.load_layer(tmp_path / "m", offload=offload)
+    return path
+
+
+def _table(tensors, k=None):
+    return next(key for key in sorted(tensors)
+                if key.endswith("ngram_embedding.weight" if k is None else f"shard_{k}.weight"))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("parts", [0, 2])
+def test_a_nonfinite_nf4_scale_is_refused_naming_key_row_and_file(tmp_path, bad, parts):
+    row = 37                                                    # past the first blocks of 8 rows
+    bits = struct.unpack("<H", struct.pack("<e", bad))[0]
+
+    def change(tensors):
+        key = _table(tensors, None if parts == 0 else 1)
+        W = tensors[key].shape[1]
+        tensors[key][row, W - 4], tensors[key][row, W - 3] = bits & 0xFF, bits >> 8
+
+    path = _damage(tmp_path, change, parts)
+    key = "shard_1.weight" if parts else "ngram_embedding.weight"
+    for call in (lambda: ple.io.load_layer(tmp_path / "m", block_bytes=8 * 6),
+                 lambda: ple.io.read_table_rows(tmp_path / "m", start=0, block_bytes=8 * 6),
+                 lambda: ple.io.convert(tmp_path / "m", tmp_path / "out", table_dtype="bfloat16")):
+        with pytest.raises(ValueError, match=f"{key}: row {row}'s NF4 scale is .*{re.escape(path.name)}"):
+            call()
+    # Rows away from the damaged one still read.
+    ple.io.read_table_rows(tmp_path / "m", start=0, end=8)
+
+
+def test_a_damaged_nf4_layout_is_refused_naming_the_key(tmp_path):
+    def wider(tensors):
+        key = _table(tensors)
+        tensors[key] = torch.cat([tensors[key], torch.zeros(tensors[key].shape[0], 2, dtype=torch.uint8)], 1)
+
+    _damage(tmp_path / "a", wider)
+    with pytest.raises(ValueError, match=r"ngram_embedding.weight: expected shape \[\d+, 6\] .*NF4 rows of "
+                                         r"D/2 \+ 4 bytes, D = 4\), got \[\d+, 8\]"):
+        ple.io.load_layer(tmp_path / "a" / "m")
+
+    def stray_scale(tensors):
+        key = _table(tensors)
+        tensors[key.replace(".weight", ".weight_scale")] = torch.ones(tensors[key].shape[0], 1)
+
+    _damage(tmp_path / "b", stray_scale)
+    with pytest.raises(ValueError, match="ngram_embedding.weight_scale: a scale for a uint8 table; expected none"):
+        ple.io.load_layer(tmp_path / "b" / "m")
+
+    _damage(tmp_path / "c", lambda tensors: None)
+    odd = PLEConfig.from_dict({**TINY.to_dict(), "ple_embed_dim": 30})              # D = 5
+    assert odd.ngram_head_dim == 5
+    with pytest.raises(ValueError, match=r"ngram_embedding.weight: a uint8 \(NF4\) table, but the config's "
+                                         r"ngram_head_dim D = 5 is not even .*model.safetensors"):
+        ple.io.load_layer(tmp_path / "c" / "m", config=odd)

@@ -65,11 +65,11 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=_inspect)
 
-    c = sub.add_parser("convert", help="re-shard a checkpoint's PLE tables or change their dtype (fp8, int8)",
+    c = sub.add_parser("convert", help="re-shard a checkpoint's PLE tables or change their dtype (fp8, int8, nf4)",
                        description="Rewrite a checkpoint with its PLE tables re-sharded and/or in another "
                                    "dtype; every other tensor is copied, and every non-weight file of a "
                                    "model folder (configs, tokenizer). Streams blocks, never a whole "
-                                   "table. An fp8 / int8 table or a merged kv_proj, which transformers "
+                                   "table. An fp8 / int8 / nf4 table or a merged kv_proj, which transformers "
                                    "would load wrong, needs --ple-only.")
     c.add_argument("src", help="source .safetensors file or checkpoint directory")
     c.add_argument("dst", help="destination: a .safetensors file, or a directory")
@@ -78,7 +78,8 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     c.add_argument("--parts", type=int, default=None,
                    help="table shards (0 = whole table; default: unchanged)")
     c.add_argument("--table-dtype", choices=sorted(TABLE_DTYPES), default=None,
-                   help="table dtype: fp8 (e4m3, per-tensor scale), int8 (per-row scales) or a float dtype")
+                   help="table dtype: fp8 (e4m3, per-tensor scale), int8 (per-row scales), nf4 (4-bit rows "
+                        "holding their float16 scales) or a float dtype")
     c.add_argument("--kv", choices=["merged", "separate"], default=None,
                    help="write one merged kv_proj or separate key_proj/value_proj (default: unchanged)")
     c.add_argument("--max-file-size", default=None, help="split the output into files of at most this size, "
@@ -86,7 +87,7 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
     c.add_argument("--block-size", default="256MiB",
                    help="largest block read at once (default: 256MiB)")
     c.add_argument("--ple-only", action="store_true",
-                   help="allow an output transformers would load wrong (fp8 / int8 table, merged kv_proj); "
+                   help="allow an output transformers would load wrong (fp8 / int8 / nf4 table, merged kv_proj); "
                         "config.json and inspect then mark it as for ple only")
     c.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at dst")
     c.set_defaults(func=_convert)

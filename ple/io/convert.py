@@ -64,7 +64,7 @@ def convert(src: str | os.PathLike[str] | list[str | os.PathLike[str]] | tuple[s
     (``config.json``, ``generation_config.json``, tokenizer files, ...; not ``WEIGHT_SUFFIXES``).
     Returns a summary.
 
-    An output transformers would load wrong (an FP8 / int8 table, or a merged ``kv_proj``;
+    An output transformers would load wrong (an FP8 / int8 / NF4 table, or a merged ``kv_proj``;
     see ``ple.io.policy``) is a ``ValueError`` unless ``ple_only=True``; then
     ``config.json`` gets ``"ple_only"`` (the reasons) and each file ``ple.only`` in its
     metadata. Converting back to a float table with separate projections removes the mark.
@@ -136,7 +136,8 @@ def convert(src: str | os.PathLike[str] | list[str | os.PathLike[str]] | tuple[s
     tables = []
     for plan in plans:
         n = parts if parts is not None else plan.parts
-        tables.append(f"{f'{n} shards' if n else 'whole'}, {dtype_name(_out_dtype(plan, target))}")
+        out = _out_dtype(plan, target)
+        tables.append(f"{f'{n} shards' if n else 'whole'}, {dtype_name(out)}{' (nf4)' * (out == torch.uint8)}")
     return {"files": [str(f) for f in files], "layers": [p.prefix for p in plans], "tables": tables}
 
 

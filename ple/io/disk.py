@@ -155,6 +155,9 @@ class DiskTable(Table):
         stored one). ``device``: where an FP8 table's scale goes (the layer's device). int8
         per-row scales are read into host memory, ``block_rows`` at a time.
         """
+        if plan.scheme is not None and plan.scheme.packed:
+            raise ValueError(f"table: an NF4 table is not read from its files yet (docs/spec.md section 13); load "
+                             f"it with offload=False ({plan.pieces[0].key})")
         files: dict[Path, MappedFile] = {}
         pieces = []
         try:

@@ -9,6 +9,8 @@ Keys, under a per-layer prefix (the model's is ``model.language_model.layers.{i}
     ple_embedding.ngram_embedding.weight_scale        [1] f32     FP8 table: the per-tensor scale
     ple_embedding.ngram_embedding[.shard_{k}].weight_scale  [n, 1] f32   int8 table: per-row scales,
                                                                   sharded like the table
+    (an NF4 table: the table or its shards are uint8 [n, D/2 + 4], each row its codes and float16
+    scale, D even, and there is no weight_scale; its scales are checked finite as its rows are read)
     ple_embedding.layer_multipliers                   [N]   int64 \
     ple_embedding.ngram_heads_vocab_sizes             [NH]  int64  } must equal hash_params(config, L)
     ple_embedding.ngram_heads_offsets                 [NH]  int64 /
@@ -230,12 +232,16 @@ def plan_layer(ckpt: Checkpoint, config: PLEConfig, ple_layer_index: int, prefix
     info: TensorInfo | None
     for key, (a, b) in zip(keys, ranges, strict=True):
         info = ckpt.info(prefix + key)
-        if info.dtype == torch.uint8:
-            _fail(prefix, key, "a uint8 (NF4) table: NF4 tables are not read from checkpoints yet (docs/spec.md "
-                               "section 13)")
-        if info.shape != (b - a, D):
+        width, rows_of = D, ""
+        if info.dtype == torch.uint8:                            # NF4: D/2 + 4 bytes a row
+            if D < 2 or D % 2:
+                _fail(prefix, key, f"a uint8 (NF4) table, but the config's ngram_head_dim D = {D} is not even "
+                                   f"(NF4 rows hold two values a byte; in {info.file.name})")
+            width, rows_of = D // 2 + 4, "NF4 rows of D/2 + 4 bytes, "
+        if info.shape != (b - a, width):
             what = f"rows [{a}, {b}) of the {rows}-row table" if key != TABLE else f"the {rows}-row table"
-            _fail(prefix, key, f"expected shape {[b - a, D]} ({what}, D = {D}), got {list(info.shape)}")
+            _fail(prefix, key, f"expected shape {[b - a, width]} ({what}, {rows_of}D = {D}), got "
+                               f"{list(info.shape)} (in {info.file.name})")
         dtypes.add(info.dtype)
     if len(dtypes) != 1:
         _fail(prefix, keys[0], f"all shards must share one dtype, got "
@@ -243,13 +249,15 @@ def plan_layer(ckpt: Checkpoint, config: PLEConfig, ple_layer_index: int, prefix
     table_dtype = dtypes.pop()
     scheme = scheme_of(table_dtype)
     if scheme is None and not table_dtype.is_floating_point:
-        _fail(prefix, keys[0], f"expected a float, float8_e4m3fn or int8 table, got "
+        _fail(prefix, keys[0], f"expected a float, float8_e4m3fn, int8 or uint8 (NF4) table, got "
                                f"{dtype_name(table_dtype)}")
     known.update(keys)
 
     scale_key = None
     pieces = []
-    if scheme is not None and scheme.per_row:
+    if scheme is not None and scheme.packed:                     # NF4: the scales are in the rows
+        pieces = [TablePiece(a, b, prefix + k) for k, (a, b) in zip(keys, ranges, strict=True)]
+    elif scheme is not None and scheme.per_row:
         scale_keys = [TABLE_SCALE] if keys == [TABLE] else [SHARD_SCALE.format(k=k) for k in range(len(keys))]
         for sk, (a, b) in zip(scale_keys, ranges, strict=True):
             info = ckpt.info(prefix + sk) if prefix + sk in ckpt else None
@@ -275,7 +283,8 @@ def plan_layer(ckpt: Checkpoint, config: PLEConfig, ple_layer_index: int, prefix
     stray = [k for k in mine if (k == TABLE_SCALE or k in shard_scales.values()) and k not in known]
     if stray:
         _fail(prefix, stray[0], f"a scale for a {dtype_name(table_dtype)} table; expected none "
-                                f"(FP8 tables have one {TABLE_SCALE}, int8 tables per-row scales)")
+                                f"(FP8 tables have one {TABLE_SCALE}, int8 tables per-row scales, NF4 "
+                                f"tables none: their rows hold them)")
 
     # ---- projections, norms, conv ------------------------------------------------------------------
     if KV_PROJ in mine and (KEY_PROJ in mine or VALUE_PROJ in mine):

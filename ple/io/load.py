@@ -20,7 +20,7 @@ import torch
 from .. import _checks
 from ..config import PLEConfig
 from ..layer import PLELayer
-from ..quant import Scheme
+from ..quant import Scheme, nf4_unpack
 from ..reference.hashing import hash_params
 from ..table import QuantizedTable, Table
 from .disk import DISK_CACHE_BYTES, DiskTable
@@ -170,16 +170,32 @@ def _open_layer(path: CheckpointSource, config: ConfigSource, ple_layer_index: i
     return ckpt, plan_layer(ckpt, cfg, ple_layer_index, pfx)
 
 
+def _check_nf4_scales(ckpt: Checkpoint, key: str, rows: torch.Tensor, first: int) -> None:
+    """NF4 rows ``rows`` (rows ``first..`` of ``key``) must hold finite float16 scales: else a ``ValueError``
+    naming the key, the row and the file."""
+    scale = nf4_unpack(rows)[1]
+    bad = (~torch.isfinite(scale)).nonzero()
+    if bad.numel():
+        r = int(bad[0])
+        raise ValueError(f"{key}: row {first + r}'s NF4 scale is {float(scale[r])} (bytes {rows.shape[1] - 4}, "
+                         f"{rows.shape[1] - 3} of the row), expected a finite float16; a damaged file? (in "
+                         f"{ckpt.info(key).file})")
+
+
 def table_blocks(ckpt: Checkpoint, plan: LayerPlan, start: int, stop: int,
                  block_rows: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
     """Rows ``[start, stop)`` of the table of ``plan``, in row order and blocks of at most ``block_rows``:
     ``(first row, values, per-row scales [n, 1] or None)``. Only the shards holding those rows are read,
-    and of them only those rows."""
+    and of them only those rows. NF4 ``values`` are the packed rows ``[n, D/2 + 4]``; each block's
+    float16 scales are checked finite as it is read (else a ``ValueError`` naming the key, row and file)."""
+    packed = plan.scheme is not None and plan.scheme.packed
     for piece in plan.pieces:
         a, b = max(start, piece.start), min(stop, piece.stop)
         for lo in range(a, b, max(block_rows, 1)):
             hi = min(lo + block_rows, b)
             values = ckpt.read(piece.key, lo - piece.start, hi - piece.start)
+            if packed:
+                _check_nf4_scales(ckpt, piece.key, values, lo - piece.start)
             scale = None
             if piece.scale_key is not None:
                 scale = ckpt.read(piece.scale_key, lo - piece.start, hi - piece.start)
@@ -191,14 +207,17 @@ def _read_rows(ckpt: Checkpoint, plan: LayerPlan, start: int, stop: int, *, dtyp
     """Rows ``[start, stop)`` of the table into one preallocated tensor: ``(weight, scale or None)``."""
     quant = plan.scheme is not None
     tdtype = plan.table_dtype if quant or dtype is None else dtype
-    weight = torch.empty((stop - start, plan.dim), dtype=tdtype, device=device, pin_memory=pin)
+    width = plan.scheme.weight_width(plan.dim) if plan.scheme is not None else plan.dim    # NF4: D/2 + 4
+    weight = torch.empty((stop - start, width), dtype=tdtype, device=device, pin_memory=pin)
     scale = None
-    if plan.scheme is not None and plan.scheme.per_row:
+    if plan.scheme is not None and plan.scheme.packed:  # NF4: the scales are in the rows
+        pass
+    elif plan.scheme is not None and plan.scheme.per_row:
         scale = torch.empty((stop - start, 1), dtype=torch.float32, device=device, pin_memory=pin)
     elif plan.scheme is not None:                       # fp8: its per-tensor scale (checked by plan_layer)
         # A copy: what the library reads may be a view of its mapping of the file (Checkpoint.read).
         scale = ckpt.read(cast(str, plan.scale_key)).reshape(1).to(device, copy=True)
-    n = _block_rows(plan.dim * plan.table_dtype.itemsize, block_bytes)
+    n = _block_rows(width * plan.table_dtype.itemsize, block_bytes)
     for a, values, row_scale in table_blocks(ckpt, plan, start, stop, n):
         weight[a - start: a - start + values.shape[0]].copy_(values)
         if row_scale is not None:                       # per-row scales: scale was made above
@@ -239,7 +258,8 @@ def read_table_rows(path: CheckpointSource, config: ConfigSource = None, ple_lay
     (default: the CPU). ``weight`` is ``[end - start, D]`` in the checkpoint's dtype;
     ``weight_scale`` is None for a float table, the rows' per-row float32 scales
     ``[end - start, 1]`` for an int8 table, or the per-tensor float32 scale ``[1]`` for
-    an FP8 table.
+    an FP8 table; an NF4 table's ``weight`` is its packed uint8 rows ``[end - start, D/2 + 4]``
+    and ``weight_scale`` None.
     """
     for name, value in (("start", start), ("end", 0 if end is None else end)):
         if isinstance(value, bool) or not isinstance(value, int):
@@ -325,7 +345,9 @@ def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_in
     the file are computed from the config, with a warning.
 
     The table (whole, or ``split_ngram_parts``-style shards) is read block by block into
-    one preallocated tensor; FP8 and int8 tables stay quantized (``ple.quant``). A merged
+    one preallocated tensor; FP8, int8 and NF4 tables stay quantized (``ple.quant``; an NF4
+    table's float16 row scales are checked finite as its blocks are read). An NF4 table is
+    not offloaded yet: ``offload`` True / ``"host"`` / ``"disk"`` with one is a ``ValueError``. A merged
     ``kv_proj.weight`` is split into ``key_proj`` / ``value_proj``. ``dtype``: the dtype
     of the float tensors (default: that of the projections in the file). ``offload``:
     keep the table in host memory, pinned where CUDA exists (``ple.offload``), and put
@@ -349,6 +371,10 @@ def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_in
         _checks.int_arg("cache_bytes", cache_bytes, minimum=0)
     _checks.int_arg("block_bytes", block_bytes, minimum=1)
     ckpt, plan = _open_layer(path, config, ple_layer_index, prefix)
+    if plan.scheme is not None and plan.scheme.packed and offload:
+        where = "read from its files (offload='disk')" if disk else "kept in host memory (offload=True / 'host')"
+        raise ValueError(f"offload: an NF4 table is not {where} yet (docs/spec.md section 13); load it with "
+                         f"offload=False ({plan.pieces[0].key})")
     cfg, pfx = plan.config, plan.prefix
     dtype = dtype or plan.model_dtype
     device = torch.device(device) if device is not None else torch.device("cpu")
@@ -356,7 +382,8 @@ def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_in
     pin = bool(offload) and not disk and torch.cuda.is_available()
 
     report = LoadReport(pfx, ple_layer_index, table=f"{f'{plan.parts} shards' if plan.sharded else 'whole'}, "
-                                                    f"{dtype_name(plan.table_dtype)}",
+                                                    f"{dtype_name(plan.table_dtype)}"
+                                                    f"{' (nf4)' if plan.scheme and plan.scheme.packed else ''}",
                         merged_kv=plan.merged_kv, skipped=list(plan.unknown),
                         computed_buffers=[b.key for b in plan.buffers if b.status == "missing"])
     if report.skipped:

@@ -38,7 +38,10 @@ def transformers_problems(table_scheme: Scheme | None, merged_kv: bool) -> list[
     randomly initialised beside an unknown ``kv_proj``.
     """
     out = []
-    if table_scheme is not None:
+    if table_scheme is not None and table_scheme.packed:
+        out.append(f"{table_scheme.name}{_TABLE_PROBLEM}transformers would take its packed uint8 rows "
+                   f"[rows, D/2 + 4] (codes and float16 scales) for a float [rows, D] table")
+    elif table_scheme is not None:
         out.append(f"{table_scheme.name}{_TABLE_PROBLEM}transformers would ignore its weight_scale and use the "
                    f"raw {table_scheme.name} values")
     if merged_kv:

@@ -50,23 +50,22 @@ __all__ = ["save", "parse_table_dtype", "TABLE_DTYPES", "table_entries", "tensor
 
 TABLE_DTYPES: dict[str, torch.dtype | Scheme] = {
     "bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
-    "fp8": SCHEMES["fp8"], "int8": SCHEMES["int8"]}
+    "fp8": SCHEMES["fp8"], "int8": SCHEMES["int8"], "nf4": SCHEMES["nf4"]}
 
 
 def parse_table_dtype(value: TableDtype) -> torch.dtype | Scheme | None:
-    """``None`` (keep), a float ``torch.dtype``, a `Scheme`, or one of the names in ``TABLE_DTYPES``."""
-    if value is None or isinstance(value, Scheme) and not value.packed:
+    """``None`` (keep), a float ``torch.dtype``, a `Scheme`, or one of the names in ``TABLE_DTYPES``
+    (a quantized dtype names its scheme: ``torch.uint8`` is NF4)."""
+    if value is None or isinstance(value, Scheme):
         return value
     if isinstance(value, torch.dtype):
         s = scheme_of(value)
-        if s is not None and not s.packed:
+        if s is not None:
             return s
         if value in (torch.bfloat16, torch.float16, torch.float32):
             return value
     if isinstance(value, str) and value in TABLE_DTYPES:
         return TABLE_DTYPES[value]
-    if value == "nf4" or value is torch.uint8 or isinstance(value, Scheme):
-        raise ValueError("table_dtype: NF4 tables are not written to checkpoints yet (docs/spec.md section 13)")
     raise ValueError(f"table_dtype: expected one of {sorted(TABLE_DTYPES)} (or None to keep it), got "
                      f"{value!r}")
 
@@ -74,10 +73,10 @@ def parse_table_dtype(value: TableDtype) -> torch.dtype | Scheme | None:
 # ---- table sources: the rows of a table, block by block ---------------------------------------------
 class _TableSource:
     """A table ``[rows, D]`` as blocks ``(values, row_scale)``; ``row_scale`` is ``[n, 1]`` (int8),
-    the per-tensor ``[1]`` (fp8) or None (float)."""
+    the per-tensor ``[1]`` (fp8) or None (float, and NF4, whose blocks are packed rows ``[n, D/2 + 4]``)."""
 
     num_rows: int
-    dim: int
+    dim: int                                    # D, the values of a row (not an NF4 row's bytes)
     dtype: torch.dtype
     global_scale: torch.Tensor | None           # the per-tensor (fp8) scale, else None
 
@@ -93,7 +92,7 @@ class _MemoryTable(_TableSource):
     def __init__(self, module: Table) -> None:
         self.weight = module.weight.detach()
         self.scale = module.scale.detach() if module.scale is not None else None
-        self.num_rows, self.dim = self.weight.shape
+        self.num_rows, self.dim = module.num_rows, module.dim
         self.dtype = self.weight.dtype
         self.global_scale = self.scale.cpu() if self.scale is not None and self.scale.dim() == 1 else None
 
@@ -120,12 +119,19 @@ class CheckpointTable(_TableSource):
             yield values, self.global_scale if scale is None else scale
 
 
+def _floats(src: _TableSource, v: torch.Tensor, s: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A block of ``src`` as ``dtype`` values ``[n, D]`` (a quantized block dequantized, NF4 rows unpacked)."""
+    if src.scheme is None:
+        return v.to(dtype)
+    return dequantize(v, s, dtype)
+
+
 def _amax(src: _TableSource, block_rows: int) -> torch.Tensor:
     """The largest magnitude of the table (exact: a max needs no float32 copy of a float table)."""
     amax = torch.zeros((), dtype=torch.float32)
     for v, s in src.blocks(0, src.num_rows, block_rows):
         if v.numel():
-            x = v if s is None else dequantize(v, s, torch.float32)
+            x = v if src.scheme is None else _floats(src, v, s, torch.float32)
             amax = torch.maximum(amax, x.abs().max().float())
     return amax
 
@@ -142,7 +148,8 @@ def table_entries(src: _TableSource, prefix: str, parts: int, target: TableDtype
     names = [TABLE] if parts == 0 else [SHARD.format(k=k) for k in range(parts)]
     same = src.scheme is not None and kind is src.scheme
     fp8 = isinstance(kind, Scheme) and not kind.per_row
-    int8 = isinstance(kind, Scheme) and kind.per_row
+    int8 = isinstance(kind, Scheme) and kind.per_row and not kind.packed
+    width = kind.weight_width(D) if isinstance(kind, Scheme) else D      # NF4: D/2 + 4 bytes a row
     scale = None
     if fp8:
         scale = src.global_scale if same else fp8_scale(_amax(src, block_rows))
@@ -152,22 +159,20 @@ def table_entries(src: _TableSource, prefix: str, parts: int, target: TableDtype
             if same:
                 yield v
             elif isinstance(kind, Scheme):
-                x = v.float() if s is None else dequantize(v, s, torch.float32)
-                yield quantize(x, kind, scale=scale)[0]
+                yield quantize(_floats(src, v, s, torch.float32), kind, scale=scale)[0]
             else:
-                yield v.to(kind) if s is None else dequantize(v, s, kind)
+                yield _floats(src, v, s, kind)
 
     def row_scales(a: int, b: int) -> Iterator[torch.Tensor]:      # int8 targets only
         for v, s in src.blocks(a, b, block_rows):
             if same:
                 yield cast(torch.Tensor, s)                           # an int8 source's blocks have scales
             else:
-                yield cast(torch.Tensor, quantize(v.float() if s is None else dequantize(v, s, torch.float32),
-                                                  cast(Scheme, kind))[1])
+                yield cast(torch.Tensor, quantize(_floats(src, v, s, torch.float32), cast(Scheme, kind))[1])
 
     entries = []
     for k, (name, (a, b)) in enumerate(zip(names, ranges, strict=True)):
-        entries.append(Entry(prefix + name, out_dtype, (b - a, D), functools.partial(values, a, b)))
+        entries.append(Entry(prefix + name, out_dtype, (b - a, width), functools.partial(values, a, b)))
         if int8:
             scale_name = TABLE_SCALE if parts == 0 else SHARD_SCALE.format(k=k)
             entries.append(Entry(prefix + scale_name, torch.float32, (b - a, 1),
@@ -253,7 +258,8 @@ def save(layers: PLELayer | list[PLELayer] | tuple[PLELayer, ...], path: str | o
     ``ple_embedding.ngram_embedding.weight``). ``merged_kv``: write one
     ``kv_proj.weight`` (``[C + H, E]``, key rows first) instead of ``key_proj`` and
     ``value_proj``. ``table_dtype``: keep (None), ``"bfloat16"`` / ``"float16"`` /
-    ``"float32"``, or quantize: ``"fp8"`` / ``"int8"`` (``ple.quant``).
+    ``"float32"``, or quantize: ``"fp8"`` / ``"int8"`` / ``"nf4"`` (``ple.quant``; an NF4 table is
+    uint8 ``[rows, D/2 + 4]`` rows holding their own float16 scales, and has no ``weight_scale``).
 
     transformers loads a float table with separate projections right, and would load a
     quantized table or a merged ``kv_proj`` wrong (``ple.io.policy``): those are a
@@ -272,8 +278,6 @@ def save(layers: PLELayer | list[PLELayer] | tuple[PLELayer, ...], path: str | o
         if la.table.weight.device.type == "meta":              # e.g. a DiskTable: its values are in its files
             raise ValueError(f"layers: a table whose values are not in memory ({type(la.table).__name__}) is "
                              f"not saved from the layer; convert its checkpoint with ple.io.convert")
-        if la.table.weight.dtype == torch.uint8:
-            raise ValueError("layers: an NF4 table is not written to checkpoints yet (docs/spec.md section 13)")
     table_dtype = parse_table_dtype(table_dtype)
     schemes = {table_dtype if table_dtype is not None else scheme_of(la.table.weight.dtype) for la in layers}
     scheme = next((s for s in schemes if isinstance(s, Scheme)), None)

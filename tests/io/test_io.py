@@ -189,7 +189,7 @@ BAD = [
                                              .to(torch.float8_e4m3fn)),
      r"all shards must share one dtype"),
     ("int table", lambda sd: {k: (v.to(torch.int16) if "shard" in k else v) for k, v in sd.items()},
-     r"expected a float, float8_e4m3fn or int8 table"),
+     r"expected a float, float8_e4m3fn, int8 or uint8 \(NF4\) table"),
     ("stray scale", lambda sd: _mutate(sd, "ple_embedding.ngram_embedding.weight_scale", torch.ones(1)),
      r"weight_scale: a scale for a bfloat16 table"),
     ("fp8 projection without scale",
