@@ -263,6 +263,7 @@ def test_prefill_gradients(lens, M, H, K, d, keep, dtype, seed):
         _judge(a, e, x, f"grad {name}" if name != "out" else name)
 
 
+@pytest.mark.deep       # ~10 s interpreted; quick: test_prefill_gradients judges the gradients against float64
 def test_prefill_gradcheck_float64():
     g = torch.Generator().manual_seed(5)
     T, M, H, K = 7, 2, 3, 3
