@@ -32,7 +32,7 @@ from .. import _checks
 from .._deprecation import deprecated_parameter
 from ..config import PLEConfig
 from .batch import StepBatch, build_plan
-from .items import Decode, Prefill, Spec, as_token_list
+from .items import Decode, Prefill, Spec, as_token_list, plain_decodes
 from .persist import load_cache, save_cache
 from .step import layer_step
 
@@ -330,25 +330,8 @@ class PLECache:
 
     def _plain_decodes(self, items: list[Prefill | Decode | Spec] | tuple[Prefill | Decode | Spec, ...]
                        ) -> list[tuple[Prefill | Decode | Spec, list[int]]] | None:
-        """The parsed items of the commonest step, a batch of ``Decode`` items with ``int`` tokens on distinct,
-        live, started slots and tokens in range, found in one short pass; None for anything else, which the
-        general loop of `schedule` then parses (and, where something is wrong, names)."""
-        V, records, n = self.config.vocab_size, self._slots, self.num_slots
-        parsed: list[tuple[Prefill | Decode | Spec, list[int]]] = []
-        seen: set[int] = set()
-        for item in items:
-            if type(item) is not Decode:
-                return None
-            slot, token = item.slot, item.token
-            if (type(slot) is not int or type(token) is not int or not 0 < slot < n or slot == self.null_slot
-                    or slot in seen or not 0 <= token < V):
-                return None
-            s = records[slot]
-            if not (s.active and s.started):
-                return None
-            seen.add(slot)
-            parsed.append((item, [token]))
-        return parsed or None
+        """`ple.state.items.plain_decodes` on this cache's slot records."""
+        return plain_decodes(items, self._slots, self.config.vocab_size, self.null_slot)
 
     def _check_padding(self, parsed: list[tuple[Prefill | Decode | Spec, list[int]]], pad_to: int) -> None:
         _checks.int_arg("pad_to", pad_to, minimum=1)

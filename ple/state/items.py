@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,3 +80,27 @@ class Spec:
 
     slot: int
     tokens: object
+
+
+def plain_decodes(items: Sequence[Prefill | Decode | Spec], records: Sequence[Any], vocab_size: int,
+                  null_slot: int) -> list[tuple[Prefill | Decode | Spec, list[int]]] | None:
+    """The parsed items of the commonest step, a batch of ``Decode`` items with ``int`` tokens on distinct,
+    live, started slots and tokens in range, found in one short pass (``records[slot]`` is a cache's slot
+    record, with ``active`` and ``started``); None for anything else, which the general loop of
+    ``PLECache.schedule`` then parses (and, where something is wrong, names)."""
+    n = len(records)
+    parsed: list[tuple[Prefill | Decode | Spec, list[int]]] = []
+    seen: set[int] = set()
+    for item in items:
+        if type(item) is not Decode:
+            return None
+        slot, token = item.slot, item.token
+        if (type(slot) is not int or type(token) is not int or not 0 < slot < n or slot == null_slot
+                or slot in seen or not 0 <= token < vocab_size):
+            return None
+        s = records[slot]
+        if not (s.active and s.started):
+            return None
+        seen.add(slot)
+        parsed.append((item, [token]))
+    return parsed or None
