@@ -133,12 +133,14 @@ class TransformersPLELayer(PLELayer):
     # The model's module's calling convention (not PLELayer.forward's): `patch` swaps it in for that module.
     def forward(self, hidden_states: torch.Tensor, input_ids: torch.Tensor,  # type: ignore[override]
                 cache: Any = None, conv_mask: torch.Tensor | None = None, *,
-                past_key_values: Any = None) -> torch.Tensor:
+                past_key_values: Any = None, **kwargs: Any) -> torch.Tensor:
         """The model's module's forward: ``gated + conv`` for ``[B, L, C]`` hidden states and ``[B, L]`` ids.
 
         ``cache`` is the model's cache object (or None: whole sequences, as in training); transformers
-        5.23 passes it as ``past_key_values``, 5.24 as ``cache`` (both accepted). ``conv_mask`` is its
-        ``[B, L]`` padding mask (bool, integer or float; non-zero keeps).
+        5.23 passes it as ``past_key_values``, 5.24 and later as ``cache`` (both accepted). ``conv_mask`` is
+        its ``[B, L]`` padding mask (bool, integer or float; non-zero keeps). Other keyword arguments
+        (transformers 5.25 passes its decoder layer's, e.g. ``output_router_logits``) are ignored, as the
+        model's own layer ignores them.
         """
         if past_key_values is not None:
             if cache is not None:
