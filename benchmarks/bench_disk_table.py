@@ -1,16 +1,19 @@
 """The table served from disk (``load_layer(..., offload="disk")``) against the table in memory.
 
 Writes a one-layer checkpoint at the real model's widths (D = 160, NH = 16; H = 2560, M = 4) with
-a table of ``--rows`` rows (``--real``: the model's 320,001,536) in ``--table-dtype`` (FP8 by
-default), sharded as the model's is (128 shards) over files of at most ``--file-gib``, with the
-write speed measured; then serves token streams drawn like text (token ids Zipfian, exponent
-``--zipf``) from it:
+a table of ``--rows`` rows (``--real``: the model's 320,001,536) in ``--table-dtype`` (``fp8``, the
+default, ``bfloat16`` or ``nf4``: 160, 320 or 84 bytes a row), sharded as the model's is (128 shards)
+over files of at most ``--file-gib``, with the write speed measured; then serves token streams drawn
+like text (token ids Zipfian, exponent ``--zipf``) from it:
 
 * ``decode``: steps of ``--batch`` requests of one token each (``--batch * 16`` rows a step);
 * ``prefill``: chunks of ``--chunk`` tokens of one request.
 
 Each mode is timed on the table's lookup (``table.rows``, the n-gram ids hashed beforehand: the
-part that differs between the two tables) and reported as tokens/s:
+part that differs between the two tables; on the ops of the ``"torch"`` backend the layers are loaded
+with, ``ple.vectorized``, so NF4 rows are unpacked by ``ple.quant.dequantize_rows``, not by the
+reference's step-by-step ``nf4_dequantize_rows``; FP8 and bfloat16 gathers are the same on both) and
+reported as tokens/s:
 
 * ``memory``: the table read into memory (``load_layer(path)``), when it fits (``--no-memory``
   skips it; it is skipped anyway when the table is more than 60 % of the machine's memory);
@@ -41,19 +44,28 @@ RssAnon, is measured alone). ``--layer`` also times whole
 ``start_prefetch`` just before each step, so nothing overlaps them here; 10 decode and 3 prefill
 steps), where the lookup is a small part of a CPU step.
 
+``--table-dtypes bfloat16,fp8,nf4`` measures several table dtypes side by side in one run: one checkpoint
+each, the same token streams for all; each table's cold, warm (or after cold) and again passes one table after
+the other (its files' pages dropped before each cold pass), then ``memory`` and ``disk, again`` of every table
+timed step by step, interleaved across all of them (the in-memory tables loaded together where they fit 60 %
+of the machine's memory); a table per dtype as above, then tokens/s side by side with the ratios of NF4
+(else the last dtype listed) to the others, and the bytes read from the files per token.
+
     python benchmarks/bench_disk_table.py --rows 26_843_520              # a 4 GiB FP8 table
+    python benchmarks/bench_disk_table.py --rows 6_710_880 --table-dtypes bfloat16,fp8,nf4
     python benchmarks/bench_disk_table.py --real --no-memory --keep-file # 48 GiB on disk
     python benchmarks/bench_disk_table.py --smoke
 
 The checkpoint goes to ``--dir`` (default ``$TMPDIR/ple_bench_disk_table``; the cold numbers are
 those of that disk) and is deleted at the
-end unless ``--keep-file``; an existing one of the same shape is reused.
+end unless ``--keep-file``; an existing one of the same shape and dtype is reused.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import shutil
@@ -65,20 +77,21 @@ from pathlib import Path
 import torch
 
 import ple.io as pio
-from ple import PLEConfig, reference
+from ple import PLEConfig, reference, vectorized
 from ple.io.disk import DiskTable
 from ple.io.files import Entry, write_files
 from ple.io.layout import SHARD, TABLE_SCALE, shard_rows
 from ple.io.load import CONFIG_METADATA_KEY
 from ple.io.save import tensor_entry
 from ple.layer import PLELayer
-from ple.quant import fp8_scale
+from ple.quant import SCHEMES, fp8_scale, nf4_pack
 from ple.reference.hashing import hash_params
 from ple.state import Decode, PLECache, Prefill
 from ple.table import QuantizedTable
 
 REAL_ROWS = 320_001_536
 RESULTS = Path(tempfile.gettempdir()) / "ple_bench_disk_table"
+TABLE_DTYPES = {"fp8": torch.float8_e4m3fn, "bfloat16": torch.bfloat16, "nf4": torch.uint8}   # NF4: packed rows
 
 
 def config_for_rows(rows: int, smoke: bool) -> PLEConfig:
@@ -111,21 +124,35 @@ def memory_bytes() -> int:
 
 
 # ---- the checkpoint ------------------------------------------------------------------------------------------
-def random_block(nbytes: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """``nbytes`` of random values of ``dtype`` (FP8: every bit pattern but NaN; bfloat16: normal(0, 1))."""
-    if dtype == torch.float8_e4m3fn:
-        b = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+def stored_width(table_dtype: str, dim: int) -> int:
+    """Stored elements of a row of ``dim`` values: ``dim``, or for NF4 the packed row's ``dim/2 + 4`` bytes."""
+    return SCHEMES["nf4"].weight_width(dim) if table_dtype == "nf4" else dim
+
+
+def row_nbytes(table_dtype: str, dim: int) -> int:
+    """Bytes of a stored row (D = 160: bfloat16 320, FP8 160, NF4 84)."""
+    return stored_width(table_dtype, dim) * TABLE_DTYPES[table_dtype].itemsize
+
+
+def random_block(rows: int, dim: int, table_dtype: str, gen: torch.Generator) -> torch.Tensor:
+    """``rows`` random stored rows (FP8: every bit pattern but NaN; bfloat16: normal(0, 1); NF4: random codes and
+    a random float16 scale in [0.05, 0.55) a row, packed)."""
+    if table_dtype == "fp8":
+        b = torch.randint(0, 256, (rows * dim,), dtype=torch.uint8, generator=gen)
         b[(b & 0x7F) == 0x7F] ^= 1                                         # 0x7F / 0xFF are NaN
-        return b.view(dtype)
-    return torch.randn(nbytes // dtype.itemsize, generator=gen).to(dtype)
+        return b.view(torch.float8_e4m3fn).view(rows, dim)
+    if table_dtype == "nf4":
+        codes = torch.randint(0, 16, (rows, dim), dtype=torch.uint8, generator=gen)
+        return nf4_pack(codes, (0.05 + 0.5 * torch.rand(rows, generator=gen)).to(torch.float16))
+    return torch.randn(rows * dim, generator=gen).to(torch.bfloat16).view(rows, dim)
 
 
-def write_checkpoint(path: Path, cfg: PLEConfig, table_dtype: torch.dtype, file_gib: float) -> tuple[float, int]:
-    """A one-layer checkpoint: random table shards (one random block, repeated: writing is the cost measured),
-    random small tensors. Returns (seconds, bytes)."""
+def write_checkpoint(path: Path, cfg: PLEConfig, table_dtype: str, file_gib: float) -> tuple[float, int]:
+    """A one-layer checkpoint with a ``table_dtype`` table: random table shards (one random block, repeated:
+    writing is the cost measured), random small tensors. Returns (seconds, bytes)."""
     p = hash_params(cfg, 0)
     D = cfg.ngram_head_dim
-    fp8 = table_dtype == torch.float8_e4m3fn
+    dtype, width = TABLE_DTYPES[table_dtype], stored_width(table_dtype, D)
     # The small tensors of a random layer (its table on the meta device: written below, block by block).
     small = PLELayer(cfg, 0, dtype=torch.bfloat16, table=QuantizedTable.empty(p.num_rows, D, "fp8", device="meta"))
     gen = torch.Generator().manual_seed(0)
@@ -133,8 +160,8 @@ def write_checkpoint(path: Path, cfg: PLEConfig, table_dtype: torch.dtype, file_
         for name, t in small.named_parameters():
             t.copy_((torch.randn(t.shape, generator=gen) * (t.shape[-1] ** -0.5 if "proj" in name else 0.3)
                      ).to(t.dtype))
-    block_rows = (64 << 20) // (D * table_dtype.itemsize)
-    block = random_block(block_rows * D * table_dtype.itemsize, table_dtype, gen).view(block_rows, D)
+    block_rows = (64 << 20) // row_nbytes(table_dtype, D)
+    block = random_block(block_rows, D, table_dtype, gen)
 
     def produce(a: int, b: int):
         for lo in range(a, b, block_rows):
@@ -143,9 +170,9 @@ def write_checkpoint(path: Path, cfg: PLEConfig, table_dtype: torch.dtype, file_
     prefix = "model.language_model.layers.1.ple."
     entries = []
     for k, (a, b) in enumerate(shard_rows(p.num_rows, cfg.split_ngram_parts)):
-        entries.append(Entry(prefix + SHARD.format(k=k), table_dtype, (b - a, D),
+        entries.append(Entry(prefix + SHARD.format(k=k), dtype, (b - a, width),
                              lambda a=a, b=b: produce(a, b)))
-    if fp8:
+    if table_dtype == "fp8":
         entries.append(tensor_entry(prefix + TABLE_SCALE, fp8_scale(4.0)))
     e = small.ple_embedding
     for key, t in (("ple_embedding.layer_multipliers", e.layer_multipliers),
@@ -194,7 +221,7 @@ def time_lookups(table, steps: list[torch.Tensor]) -> float:
     total = 0.0
     for ids in steps:
         t0 = time.perf_counter()
-        table.rows(ids, torch.bfloat16, ops=reference, validate=False)
+        table.rows(ids, torch.bfloat16, ops=vectorized, validate=False)
         total += time.perf_counter() - t0
     return total
 
@@ -206,7 +233,7 @@ def min_times(tables: list, steps: list[torch.Tensor], repeats: int = 3) -> list
         for i, ids in enumerate(steps):
             for k, table in enumerate(tables):
                 t0 = time.perf_counter()
-                table.rows(ids, torch.bfloat16, ops=reference, validate=False)
+                table.rows(ids, torch.bfloat16, ops=vectorized, validate=False)
                 best[k][i] = min(best[k][i], time.perf_counter() - t0)
     return best
 
@@ -265,7 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=26_843_520, help="table rows (default: a 4 GiB FP8 table)")
     ap.add_argument("--real", action="store_true", help=f"the real model's {REAL_ROWS:,} rows")
-    ap.add_argument("--table-dtype", default="fp8", choices=["fp8", "bfloat16"])
+    ap.add_argument("--table-dtype", default="fp8", choices=list(TABLE_DTYPES))
+    ap.add_argument("--table-dtypes", default="",
+                    help="several table dtypes, comma separated (e.g. bfloat16,fp8,nf4), measured side by side in "
+                         "one run (instead of --table-dtype)")
     ap.add_argument("--cache-mib", type=float, default=256.0, help="the row cache (cache_bytes), MiB")
     ap.add_argument("--batch", type=int, default=64, help="decode: requests a step (one token each)")
     ap.add_argument("--chunk", type=int, default=2048, help="prefill: tokens a step")
@@ -281,6 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="", help="write the results here as JSON")
     ap.add_argument("--smoke", action="store_true", help="tiny: checks the script runs")
     args = ap.parse_args(argv)
+    names = [n.strip() for n in args.table_dtypes.split(",")] if args.table_dtypes else [args.table_dtype]
+    unknown = [n for n in names if n not in TABLE_DTYPES]
+    if unknown or len(set(names)) != len(names):
+        ap.error(f"--table-dtypes: expected distinct names among {', '.join(TABLE_DTYPES)}, comma separated; "
+                 f"got {args.table_dtypes!r}")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.smoke:
@@ -289,34 +324,41 @@ def main(argv: list[str] | None = None) -> int:
     rows = REAL_ROWS if args.real else args.rows
     cfg = config_for_rows(rows, args.smoke)
     rows = hash_params(cfg, 0).num_rows
-    table_dtype = torch.float8_e4m3fn if args.table_dtype == "fp8" else torch.bfloat16
-    row_bytes = cfg.ngram_head_dim * table_dtype.itemsize
-    table_bytes = rows * row_bytes
-    path = Path(args.dir) / f"{args.table_dtype}-{rows}"
-    print(f"table: {rows:,} rows x {cfg.ngram_head_dim} {args.table_dtype}, {table_bytes / 2**30:.2f} GiB; "
+    D = cfg.ngram_head_dim
+    served = {n: {"table_dtype": n, "table_gib": rows * row_nbytes(n, D) / 2**30} for n in names}   # per dtype
+    paths = {n: Path(args.dir) / f"{n}-{rows}" for n in names}
+    gib = " / ".join(f"{served[n]['table_gib']:.2f}" for n in names)
+    print(f"table: {rows:,} rows x {D} {' / '.join(names)}, {gib} GiB; "
           f"machine memory {memory_bytes() / 2**30:.1f} GiB; {torch.get_num_threads()} torch threads")
 
-    out: dict = {"rows": rows, "table_dtype": args.table_dtype, "table_gib": table_bytes / 2**30,
-                 "cache_mib": args.cache_mib, "batch": args.batch, "chunk": args.chunk, "zipf": args.zipf}
-    marker = path / "complete.json"
-    if marker.exists():
-        print(f"reusing {path}")
-        out["write"] = json.loads(marker.read_text())
-    else:
-        free = shutil.disk_usage(Path(args.dir).parent if not Path(args.dir).exists() else args.dir).free
-        if table_bytes * 1.05 > free:
-            print(f"error: {table_bytes / 2**30:.1f} GiB do not fit the {free / 2**30:.1f} GiB free at {args.dir}")
-            return 2
-        seconds, nbytes = write_checkpoint(path, cfg, table_dtype, args.file_gib)
-        out["write"] = {"seconds": seconds, "bytes": nbytes, "mb_per_s": nbytes / seconds / 1e6}
-        marker.write_text(json.dumps(out["write"]))
-        print(f"wrote {nbytes / 2**30:.2f} GiB in {seconds:.0f} s ({nbytes / seconds / 1e6:.0f} MB/s)")
-
+    out: dict = {"rows": rows, "table_dtype": names[0], "cache_mib": args.cache_mib, "batch": args.batch,
+                 "chunk": args.chunk, "zipf": args.zipf}
+    if len(names) > 1:
+        out["table_dtype"], out["table_dtypes"], out["schemes"] = None, names, served
     try:
-        results = run(args, cfg, path, rows, row_bytes, table_bytes, out)
+        for n, path in paths.items():
+            marker = path / "complete.json"
+            if marker.exists():
+                print(f"reusing {path}")
+                served[n]["write"] = json.loads(marker.read_text())
+                continue
+            free = shutil.disk_usage(Path(args.dir).parent if not Path(args.dir).exists() else args.dir).free
+            table_bytes = rows * row_nbytes(n, D)
+            if table_bytes * 1.05 > free:
+                print(f"error: {table_bytes / 2**30:.1f} GiB do not fit the {free / 2**30:.1f} GiB free at {args.dir}")
+                return 2
+            seconds, nbytes = write_checkpoint(path, cfg, n, args.file_gib)
+            served[n]["write"] = {"seconds": seconds, "bytes": nbytes, "mb_per_s": nbytes / seconds / 1e6}
+            marker.write_text(json.dumps(served[n]["write"]))
+            print(f"wrote {nbytes / 2**30:.2f} GiB{'' if len(names) == 1 else ' of ' + n} in {seconds:.0f} s "
+                  f"({nbytes / seconds / 1e6:.0f} MB/s)")
+        results = run(args, cfg, paths, rows, served)
     finally:
         if not args.keep_file:
-            shutil.rmtree(path, ignore_errors=True)
+            for path in paths.values():
+                shutil.rmtree(path, ignore_errors=True)
+    if len(names) == 1:
+        out.update(served[names[0]])
     print()
     print(results)
     if args.json:
@@ -324,93 +366,187 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run(args, cfg: PLEConfig, path: Path, rows: int, row_bytes: int, table_bytes: int, out: dict) -> str:
-    cache_bytes = int(args.cache_mib * 2**20)
-    fits = table_bytes < 0.6 * memory_bytes()
-    second = "warm" if fits else "after cold"
+@dataclasses.dataclass
+class Served:
+    """One table dtype of the run: its layer served from disk, its sizes, its results and its JSON record."""
+
+    name: str
+    path: Path                             # its checkpoint
+    disk: PLELayer
+    row_bytes: int
+    table_bytes: int
+    second: str                            # "warm" where the file fits the machine, else "after cold"
+    results: dict[str, dict[str, dict]]    # mode -> "memory" / "disk, cold" / ... -> numbers
+    out: dict
+
+    @property
+    def table(self) -> DiskTable:
+        table = self.disk.table
+        assert isinstance(table, DiskTable)
+        return table
+
+
+def run(args, cfg: PLEConfig, paths: dict[str, Path], rows: int, served_out: dict[str, dict]) -> str:
+    """Every table dtype's disk passes, one dtype after the other, then memory and "again" of all interleaved;
+    returns the tables of results (markdown)."""
+    streams = {mode: (stream(cfg, mode, steps, args.batch, args.chunk, args.zipf, seed=11),
+                      stream(cfg, mode, steps, args.batch, args.chunk, args.zipf, seed=12))
+               for mode, steps in (("decode", args.decode_steps), ("prefill", args.prefill_steps))}
+    served = [disk_passes(args, cfg, name, path, rows, streams, served_out[name]) for name, path in paths.items()]
+    memory_passes(args, cfg, served, streams)
+    lines: list[str] = []
+    for s in served:
+        if len(served) > 1:
+            lines += [f"{s.name} ({s.row_bytes} B a row, {s.table_bytes / 2**30:.2f} GiB):", ""]
+        lines += scheme_lines(args, s, streams) + [""]
+    if len(served) > 1:
+        lines += comparison_lines(served, streams, cfg.num_ngram_heads)
+    return "\n".join(lines).rstrip("\n")
+
+
+def disk_passes(args, cfg: PLEConfig, name: str, path: Path, rows: int, streams: dict, out: dict) -> Served:
+    """Load the ``name`` checkpoint with its table on disk; time each stream cold, then warm (or after cold),
+    then again (once more, the fastest of 3 runs of each step)."""
+    row_bytes = row_nbytes(name, cfg.ngram_head_dim)
+    table_bytes = rows * row_bytes
+    second = "warm" if table_bytes < 0.6 * memory_bytes() else "after cold"
     before = rss_anon()
     t0 = time.perf_counter()
-    disk = pio.load_layer(path, offload="disk", cache_bytes=cache_bytes, backend="torch")
+    disk = pio.load_layer(path, offload="disk", cache_bytes=int(args.cache_mib * 2**20), backend="torch")
     out["disk_load_s"] = time.perf_counter() - t0
     table = disk.table
     assert isinstance(table, DiskTable)
     spot_check(table, 200, torch.Generator().manual_seed(1))
     print(f"disk table mapped in {out['disk_load_s']:.2f} s: {table}")
-    capacity = table.cache.capacity if table.cache is not None else 0
-    streams = {mode: (stream(cfg, mode, steps, args.batch, args.chunk, args.zipf, seed=11),
-                      stream(cfg, mode, steps, args.batch, args.chunk, args.zipf, seed=12))
-               for mode, steps in (("decode", args.decode_steps), ("prefill", args.prefill_steps))}
-
     results: dict[str, dict[str, dict]] = {mode: {} for mode in streams}
-    layer_steps = {"decode": min(args.decode_steps, 10), "prefill": min(args.prefill_steps, 3)}
     for mode, (a, b) in streams.items():
         table.clear_cache()
         table.drop_page_cache()
-        for name, steps_ in (("cold", a), (second, b), ("again", b)):
-            if name == "warm":
+        for step, steps_ in (("cold", a), (second, b), ("again", b)):
+            if step == "warm":
                 read_through(table)                                        # the whole file in the page cache
             table.reset_stats()
             # cold and warm happen once; "again" is repeatable: the fastest of 3 runs of each step
-            sec = time_lookups(table, steps_) if name != "again" else sum(min_times([table], steps_)[0])
+            sec = time_lookups(table, steps_) if step != "again" else sum(min_times([table], steps_)[0])
             st = table.stats()
             n = sum(ids.shape[0] for ids in steps_)
-            results[mode][f"disk, {name}"] = {"tokens_per_s": n / sec, "ms_per_step": sec / len(steps_) * 1e3,
+            results[mode][f"disk, {step}"] = {"tokens_per_s": n / sec, "ms_per_step": sec / len(steps_) * 1e3,
                                               "hit_rate": st["hit_rate"], "bytes_per_token": st["bytes_read"] / n,
                                               "stats": st}
     out["disk_rss_anon_mib"] = (rss_anon() - before) / 2**20            # lookups only, no memory table yet
     if args.layer:
         for mode in streams:
             results[mode][f"disk, {second}"]["layer_tokens_per_s"] = time_layer(
-                disk, mode, cfg, layer_steps[mode], args.batch, args.chunk, args.zipf, 13)
+                disk, mode, cfg, LAYER_STEPS[mode](args), args.batch, args.chunk, args.zipf, 13)
+    return Served(name, path, disk, row_bytes, table_bytes, second, results, out)
 
-    if not args.no_memory and fits:
+
+LAYER_STEPS = {"decode": lambda args: min(args.decode_steps, 10), "prefill": lambda args: min(args.prefill_steps, 3)}
+
+
+def memory_passes(args, cfg: PLEConfig, served: list[Served], streams: dict) -> None:
+    """Load the in-memory tables that fit (together, 60 % of the machine's memory; in the order given), then time
+    ``memory`` and ``disk, again`` of every dtype on the same steps, interleaved step by step (this machine is
+    shared): the fastest of 3 runs each. With one dtype and no memory table, the disk pass's "again" stands."""
+    mem: dict[str, PLELayer] = {}
+    room = 0.6 * memory_bytes()
+    for s in served if not args.no_memory else ():
+        if s.table_bytes >= room:
+            print("the memory table does not fit this machine: skipped" if len(served) == 1 else
+                  f"the {s.name} memory table does not fit this machine beside the others: skipped")
+            continue
+        room -= s.table_bytes
         t0 = time.perf_counter()
-        mem = pio.load_layer(path, backend="torch")
-        out["memory_load_s"] = time.perf_counter() - t0
-        print(f"memory table loaded in {out['memory_load_s']:.1f} s")
-        for mode, (a, b) in streams.items():
-            time_lookups(mem.table, a)                                     # warm-up
-            # Both tables on the same steps, interleaved (this machine is shared): the fastest of 3 runs each.
-            mem_times, disk_times = min_times([mem.table, table], b)
-            n = sum(ids.shape[0] for ids in b)
-            results[mode]["memory"] = {"tokens_per_s": n / sum(mem_times), "ms_per_step": sum(mem_times) / len(b) * 1e3}
-            again = results[mode]["disk, again"]
-            again["tokens_per_s"], again["ms_per_step"] = n / sum(disk_times), sum(disk_times) / len(b) * 1e3
+        mem[s.name] = pio.load_layer(s.path, backend="torch")
+        s.out["memory_load_s"] = time.perf_counter() - t0
+        print(f"memory table{'' if len(served) == 1 else ' ' + s.name} loaded in {s.out['memory_load_s']:.1f} s")
+    if not mem and len(served) == 1:
+        return
+    timed = [(s, "memory", mem[s.name].table) for s in served if s.name in mem]
+    timed += [(s, "disk, again", s.table) for s in served]
+    for mode, (a, b) in streams.items():
+        for layer in mem.values():
+            time_lookups(layer.table, a)                                   # warm-up
+        times = min_times([t for _, _, t in timed], b)
+        n = sum(ids.shape[0] for ids in b)
+        for (s, step, _), t in zip(timed, times, strict=True):
+            r = s.results[mode].setdefault(step, {})
+            r["tokens_per_s"], r["ms_per_step"] = n / sum(t), sum(t) / len(b) * 1e3
+        for s in served:
+            if s.name not in mem:
+                continue
             for ids in a[:20] + b[:20]:                                    # the same rows, bit for bit
-                got = table.rows(ids, torch.bfloat16, ops=reference, validate=False)
-                want = mem.table.rows(ids, torch.bfloat16, ops=reference, validate=False)
+                got = s.table.rows(ids, torch.bfloat16, ops=vectorized, validate=False)
+                want = mem[s.name].table.rows(ids, torch.bfloat16, ops=vectorized, validate=False)
                 if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
-                    raise AssertionError("the disk table's rows differ from the memory table's")
+                    raise AssertionError(f"the {s.name} disk table's rows differ from the memory table's")
             if args.layer:
-                results[mode]["memory"]["layer_tokens_per_s"] = time_layer(
-                    mem, mode, cfg, layer_steps[mode], args.batch, args.chunk, args.zipf, 13)
-        del mem
-    elif not args.no_memory:
-        print("the memory table does not fit this machine: skipped")
+                s.results[mode]["memory"]["layer_tokens_per_s"] = time_layer(
+                    mem[s.name], mode, cfg, LAYER_STEPS[mode](args), args.batch, args.chunk, args.zipf, 13)
+    mem.clear()
 
+
+def scheme_lines(args, s: Served, streams: dict) -> list[str]:
+    """One dtype's table: each mode and step, with the hit rates and the bytes read per token."""
     lines = ["| mode | table | lookup tokens/s | lookup ms/step | layer.step tokens/s | row-cache hit rate | "
              "exact-LRU hit rate | read from files / token |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
+    capacity = s.table.cache.capacity if s.table.cache is not None else 0
     for mode, (a, b) in streams.items():
         lru_rate = exact_lru_hit_rate(a, b, capacity)                       # over b after a, as the cache's
-        res = results[mode]
+        res = s.results[mode]
         res["exact_lru_hit_rate"] = lru_rate
-        order = ["memory", "disk, cold", f"disk, {second}", "disk, again"]
+        order = ["memory", "disk, cold", f"disk, {s.second}", "disk, again"]
         for name in [k for k in order if k in res]:
             r = res[name]
             hit = f"{r['hit_rate']:.3f}" if "hit_rate" in r else ""
-            lru = f"{lru_rate:.3f}" if name == f"disk, {second}" else ""
+            lru = f"{lru_rate:.3f}" if name == f"disk, {s.second}" else ""
             read = f"{r['bytes_per_token'] / 1024:.2f} KiB" if "bytes_per_token" in r else ""
             layer = f"{r['layer_tokens_per_s']:,.0f}" if "layer_tokens_per_s" in r else ""
             lines.append(f"| {mode} | {name} | {r['tokens_per_s']:,.0f} | {r['ms_per_step']:.2f} | {layer} | {hit} | "
                          f"{lru} | {read} |")
-    out["modes"] = results
+    s.out["modes"] = s.results
     lines.append("")
-    small = sum(t.nbytes for t in disk.parameters())
+    small = sum(t.nbytes for t in s.disk.parameters())
     lines.append(f"Anonymous memory (RssAnon) the disk layer added, loaded and looked up from: "
-                 f"{out['disk_rss_anon_mib']:.0f} MiB (its row cache {args.cache_mib:.0f} MiB, its projections, norms "
-                 f"and conv {small / 2**20:.0f} MiB); the table: {table_bytes / 2**30:.2f} GiB.")
-    return "\n".join(lines)
+                 f"{s.out['disk_rss_anon_mib']:.0f} MiB (its row cache {args.cache_mib:.0f} MiB, its projections, "
+                 f"norms and conv {small / 2**20:.0f} MiB); the table: {s.table_bytes / 2**30:.2f} GiB.")
+    return lines
+
+
+def comparison_lines(served: list[Served], streams: dict, heads: int) -> list[str]:
+    """Lookup tokens/s of every dtype side by side, the ratios of NF4 (else the last dtype) to the others, and the
+    bytes read from the files per token; recorded in each dtype's JSON under ``"ratios"``."""
+    ref = next((s for s in served if s.name == "nf4"), served[-1])
+    others = [s for s in served if s is not ref]
+    lines = ["| mode | table | " + " | ".join(f"{s.name} tokens/s" for s in served) + " | "
+             + " | ".join(f"{ref.name} / {o.name}" for o in others) + " | "
+             + " | ".join(f"{s.name} read / token" for s in served) + " |",
+             "|---|---|" + "---:|" * (2 * len(served) + len(others))]
+    mixed = len({s.second for s in served}) > 1
+    for mode in streams:
+        for step in ("memory", "disk, cold", "second", "disk, again"):
+            keys = {s.name: f"disk, {s.second}" if step == "second" else step for s in served}
+            got: dict[str, dict] = {s.name: s.results[mode].get(keys[s.name]) or {} for s in served}
+            if not any(got.values()):
+                continue
+            label = keys[served[0].name] if not mixed or step != "second" else "disk, warm or after cold (*)"
+            star = {s.name: " *" if mixed and step == "second" and s.second != "warm" else "" for s in served}
+            speed = [f"{got[s.name]['tokens_per_s']:,.0f}{star[s.name]}" if got[s.name] else "" for s in served]
+            ratios = []
+            for o in others:
+                x, y = got[ref.name], got[o.name]
+                if x and y:
+                    x.setdefault("ratios", {})[o.name] = x["tokens_per_s"] / y["tokens_per_s"]
+                ratios.append(f"{x['ratios'][o.name]:.2f}" if x and y else "")
+            read = [f"{got[s.name]['bytes_per_token']:,.0f} B" if "bytes_per_token" in got[s.name] else ""
+                    for s in served]
+            lines.append(f"| {mode} | {label} | " + " | ".join(speed + ratios + read) + " |")
+    lines.append("")
+    lines.append(f"A token looks up {heads} rows, read from the files where the row cache misses: " + ", ".join(
+        f"{s.name} {s.row_bytes} B a row ({heads * s.row_bytes:,} B a token)" for s in served) + "."
+        + (" (*) after cold: that file does not fit the machine." if mixed else ""))
+    return lines
 
 
 def exact_lru_hit_rate(a: list[torch.Tensor], b: list[torch.Tensor], capacity: int) -> float:

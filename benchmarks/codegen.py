@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import os
 import pathlib
@@ -48,7 +49,7 @@ META = torch.device("meta")
 CUOBJDUMP = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
-STATS_VERSION = 2      # bump when sass_stats counts differently (part of the cache key)
+STATS_VERSION = 3      # bump when sass_stats counts differently (part of the cache key)
 
 # Goals a kernel is known to miss, and why (``--check`` fails on any other shortfall, and on a waiver no
 # longer needed). Keys: (kernel, the case's layout tag or "", the goal: "spill", "ld", "st" or "ctas").
@@ -61,6 +62,12 @@ WAIVERS = {
     ("_ngram_kernel", "", "ld"): "ngram_ids: the shifted token reads ids[t - k] are 8-byte loads off a 16-byte "
                                  "boundary; they are 8 of the kernel's 136 bytes per token (its stores, 128 of "
                                  "them, are 128-bit)",
+    ("_ngram_kernel", "nf4", "ld"): "ngram_embedding_nf4: an NF4 row is 84 bytes, 4-byte aligned, so its 21 words "
+                                    "are 32-bit loads (the widest the rows allow); each value's level is a 32-bit "
+                                    "gather from the 64-byte level table, which stays in L1 (no DRAM bytes)",
+    ("_update_kernel", "", "st"): "table_update (Adagrad): the row's state s is one float32 per row, so its store is "
+                                  "4 bytes beside the row's 128-bit stores (4 of the 20 bytes a thread stores; "
+                                  "Adam's m row makes its share 92 %)",
 }
 
 
@@ -134,11 +141,22 @@ def scenarios(smoke):
         return out
     out.append(("embedding_lookup", f"bwd T={T}", lambda: (E._lookup_bwd(
         empty(T, NH * D), empty(T, NH, dtype=torch.int64), 320_001_536, torch.bfloat16), T)[1]))
+    TU = importlib.import_module("ple.fast.table_update")                       # the module (the op shadows it)
+    M = T * NH                                                                  # the lookups of a step
+    for rule, st in (("adagrad", lambda: [empty(320_001_536, dtype=torch.float32)]),
+                     ("adam", lambda: [empty(320_001_536, D, dtype=torch.float32),
+                                       empty(320_001_536, dtype=torch.float32)])):
+        out.append(("table_update", f"{rule} M={M}", lambda rule=rule, st=st: (TU._update(
+            empty(320_001_536, D), empty(M, dtype=torch.int64), empty(M, D), st(), rule, 1e-2, 0.0, 1e-8,
+            (0.9, 0.999), 2), T)[1]))
     i64 = dict(dtype=torch.int64)
     hash_args = lambda: (empty(T, **i64), empty(3, **i64), empty(NH, **i64), empty(NH, **i64), 8, 0, None, None)  # noqa: E731
     out.append(("ngram_ids", f"T={T}", lambda: (Hs._hash(*hash_args()), T)[1]))
     out.append(("ngram_embedding", f"fwd T={T}", lambda: (Hs._hash(*hash_args(), weight=empty(320_001_536, D),
                                                                    write_ids=False), T)[1]))
+    nf4_rows = empty(320_001_536, D // 2 + 4, dtype=torch.uint8)                # 84-byte NF4 rows
+    out.append(("ngram_embedding_nf4", f"fwd T={T}", lambda: (Hs._hash(*hash_args(), weight=nf4_rows, write_ids=False,
+                                                                       nf4_dtype=torch.bfloat16), T)[1]))
     gate = lambda: (empty(T, C), empty(T, H), empty(T, C), empty(C), empty(C), empty(C), 1e-6)  # noqa: E731
     from ple.fast import prefill as P
     out.append(("ple_prefill", f"fwd T={T}", lambda: (P._prefill_fwd(
@@ -170,7 +188,11 @@ def min_bytes(op, case, tokens):
     return {"export": S * C * 2 * BF,                                  # per checkpoint: S rows read, S columns
             "embedding_lookup": NH * (8 + 2 * D * BF) if "fwd" in case else NH * (8 + D * BF + D * 4),
             "ngram_ids": 8 + NH * 8,
+            # per lookup: its id and gradient row read; its row (every id distinct, the worst case) read and
+            # written, with its state: Adagrad's float32 s read and written, Adam's m row and v too
+            "table_update": NH * (8 + 3 * D * BF + 8 + (2 * D * 4 if "adam" in case else 0)),
             "ngram_embedding": 8 + NH * 2 * D * BF,
+            "ngram_embedding_nf4": 8 + NH * ((D // 2 + 4) + D * BF),           # 84-byte rows read, values written
             "ple_gate": (4 * C + H) * BF if "fwd" in case else (6 * C + H) * BF + H * 4,
             # key, value, hidden read, out written; the weights once; serving: R windows read + written
             "ple_prefill": (3 * C + H) * BF + w + (2 * 4 * S * C * BF / tokens if case.startswith("prefill") else 0),
@@ -203,7 +225,7 @@ def sass_stats(cubin: bytes) -> dict:
     loop = False
     for addr, op, mods, target in re.findall(
             r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?(LDG|STG|REDG?|ATOMG|BRA)(?![A-Z])((?:\.[\w]+)*)\s*"
-            r"(?:(0x[0-9a-f]+))?",
+            r"(?:!?U?P\w+,\s*)?(?:(0x[0-9a-f]+))?",
             sass):
         if op == "BRA":
             loop |= target != "" and int(target, 16) < int(addr, 16)
@@ -324,7 +346,9 @@ def report(smoke, use_cache=True):
 
 
 def layout_tag(row) -> str:
-    """"cl" / "cf" for kernels of a case with a state layout, else ""."""
+    """"cl" / "cf" for kernels of a case with a state layout, "nf4" for an NF4 table's, else ""."""
+    if row["op"].endswith("_nf4"):
+        return "nf4"
     last = row["case"].split()[-1]
     return last if last in ("cl", "cf") else ""
 

@@ -266,16 +266,22 @@ class PLELayer(nn.Module):
         With a plain dense table in the tokens' memory (not quantized, sharded, offloaded, with a
         sparse gradient, or a prefetch pending) this is the backend's ``ngram_embedding`` (on
         ``ple.fast`` one kernel: the ids are hashed and the rows gathered without writing the ids
-        to memory; bit for bit the same rows); any other table is asked for the rows of the ids.
+        to memory; bit for bit the same rows); so is an NF4 table there on a backend with
+        ``ngram_embedding_nf4`` (``ple.fast``: hash, gather and unpack in one kernel). Any other
+        table is asked for the rows of the ids.
         """
         cfg = self.config
         kw = dict(heads_per_ngram=cfg.heads_per_ngram, eos_token_id=cfg.eos_token_id,
                   query_start_loc=query_start_loc, ngram_context=ngram_context)
         t = self.table
-        if (type(t) is DenseTable and not t.sparse_grad and t.pending_prefetch is None
-                and not t.is_dtensor and t.weight.device == input_ids.device):
+        here = t.pending_prefetch is None and not t.is_dtensor and t.weight.device == input_ids.device
+        if here and type(t) is DenseTable and not t.sparse_grad and t.row_optimizer is None:
             return self.ops.ngram_embedding(t.weight, input_ids, self.ple_embedding.hash_params(), **kw,
                                             validate=validate).to(dtype)
+        fused_nf4 = getattr(self.ops, "ngram_embedding_nf4", None)
+        if here and type(t) is QuantizedTable and t.weight.dtype == torch.uint8 and fused_nf4 is not None:
+            return fused_nf4(t.weight, input_ids, self.ple_embedding.hash_params(), dtype=dtype, **kw,
+                             validate=validate)
         ids = self.ops.ngram_ids(input_ids, self.ple_embedding.hash_params(), **kw, validate=validate)
         return self.embed(ids, dtype, validate=False)                  # ids of our own hash
 

@@ -5,7 +5,8 @@ the GPU: `offload_table` keeps it in CPU memory (pinned where CUDA exists; an in
 table's per-row scales go with it, an FP8 table's one scale stays with the layer)
 while the projections, norms and conv stay on the layer's device. A lookup then
 gathers the rows on the host and copies them over; only ``T * NH`` rows cross the bus
-(half the bytes for an FP8 table, which is dequantized on the device). The table
+(half the bytes for an FP8 table, which is dequantized on the device; an NF4 table's rows
+cross packed, ``D/2 + 4`` bytes each, and are unpacked on the device). The table
 (``ple.table``) does this itself; this module holds the machinery.
 
 ``layer.start_prefetch(input_ids, query_start_loc, ngram_context)`` takes the arguments
@@ -73,8 +74,8 @@ def offload_table(layer: PLELayer, *, pin: bool | None = None) -> PLELayer:
 
     Move the layer to its device first (``layer.to("cuda")`` moves the table too), then
     offload. ``pin`` (default: whether CUDA is available) pins the host copy, which
-    asynchronous copies need. Works for float, FP8 and int8 tables (``Table.offload_``); an NF4 table is
-    refused (a ``ValueError``), not yet supported.
+    asynchronous copies need. Works for float, FP8, int8 and NF4 tables (``Table.offload_``): an NF4
+    table's packed rows (each holding its scale) are gathered on the host and unpacked on the device.
     """
     layer.table.offload_(pin=pin)
     return layer
@@ -148,7 +149,11 @@ class Prefetch:
 @torch.no_grad()
 def start_fetch(weight: torch.Tensor, weight_scale: torch.Tensor | None, ids: torch.Tensor,
                 device: torch.device) -> Prefetch:
-    """Start gathering the stored rows of ``ids`` ``[T, NH]`` from ``weight`` and moving them to ``device``."""
+    """Start gathering the stored rows of ``ids`` ``[T, NH]`` from ``weight`` and moving them to ``device``.
+
+    The rows are moved as stored (``ple.quant.gather_raw``: quantized, NF4 rows packed); the lookup
+    that takes them (``Table.rows``) turns them into values on ``device``.
+    """
     tdev = weight.device
     if device.type != "cuda" and tdev.type != "cuda":
         rows, scale = gather_raw(weight, weight_scale, ids.to(tdev), _unchecked_lookup)
@@ -180,8 +185,9 @@ def start_gather(gather: HostGather, ids: torch.Tensor, device: torch.device) ->
     """Start ``gather(host_ids, pin)`` in the worker thread and move what it returns to ``device``.
 
     ``gather`` returns the stored rows of host ids ``[T, NH]`` as ``(rows [T, NH * D], row_scale)``
-    (as ``ple.quant.gather_raw`` does), in pinned memory when ``pin`` (True when ``device`` is a
-    CUDA device). For tables that are gathered on the host, wherever they live: in host memory
+    (as ``ple.quant.gather_raw`` does; NF4: the packed rows ``[T, NH * (D/2 + 4)]``, ``row_scale``
+    None, unpacked on ``device`` when the lookup uses them), in pinned memory when ``pin`` (True
+    when ``device`` is a CUDA device). For tables that are gathered on the host, wherever they live: in host memory
     (`start_fetch`) or in files (``ple.io.disk.DiskTable``). It runs in the worker even without
     CUDA, so a slow gather (a disk read) overlaps the caller's work; on CUDA the rows are then
     copied on a side stream, and ids on the device are first copied to the host asynchronously.

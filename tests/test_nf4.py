@@ -27,7 +27,6 @@ from safetensors.torch import load_file, save_file
 import ple.io
 from ple import PLEConfig, PLELayer
 from ple.distributed import join_table_lookup, shard_table_
-from ple.offload import offload_table
 from ple.quant import SCHEMES, dequantize, dequantize_rows, error_bound, gather_raw, nf4_pack, nf4_unpack, quantize
 from ple.reference import embedding_lookup, nf4_dequantize_rows
 from ple.table import QuantizedTable
@@ -387,20 +386,12 @@ def test_error_report(capsys):
         print("\n" + "\n".join(lines))
 
 
-# ---- (d) what refuses NF4 for now (checkpoints take it: (e)) ---------------------------------------------------------
-def test_host_offload_refuses_nf4():
+# ---- (d) what refuses NF4 (host, disk: tests/io/test_nf4_placements.py; row sharding: tests/distributed) ------
+def test_column_sharding_refuses_nf4():
     layer = nf4_layer("torch", torch.float32)
-    with pytest.raises(ValueError, match="^table: an NF4 table is not kept in host memory"):
-        offload_table(layer, pin=False)
-    with pytest.raises(ValueError, match="^table: an NF4 table"):
-        layer.table.offload_(pin=False)
-
-
-def test_sharding_refuses_nf4():
-    layer = nf4_layer("torch", torch.float32)
-    with pytest.raises(ValueError, match="^table: an NF4 table .* not sharded"):
-        shard_table_(layer.table, None)                      # refused before the mesh is looked at
-    with pytest.raises(ValueError, match="^layer: its table is NF4"):
+    with pytest.raises(ValueError, match="^placement: an NF4 table's rows are packed"):
+        shard_table_(layer.table, None, "col")                # refused before the mesh is looked at
+    with pytest.raises(ValueError, match="^layer: its table is not a DTensor"):
         join_table_lookup(layer)
 
 
@@ -510,20 +501,6 @@ def test_convert_to_and_from_nf4(tmp_path, capsys):
     rows = torch.cat([tensors[k] for k in _table_keys(tensors, "")])
     assert_bitwise_equal(rows, dequantize(want, None, torch.bfloat16), name="NF4 -> bfloat16")
     assert "ple_only" not in json.loads((tmp_path / "f" / "config.json").read_text())
-
-
-def test_nf4_table_is_not_offloaded_from_a_checkpoint(tmp_path):
-    ple.io.save(nf4_layer("torch", torch.float32), tmp_path / "m", ple_only=True)
-    with pytest.raises(ValueError, match="^offload: an NF4 table is not kept in host memory"):
-        ple.io.load_layer(tmp_path / "m", offload=True)
-    with pytest.raises(ValueError, match="^offload: an NF4 table is not read from its files"):
-        ple.io.load_layer(tmp_path / "m", offload="disk")
-    ckpt = ple.io.Checkpoint.open(tmp_path / "m")
-    plan = ple.io.plan_layer(ckpt, TINY, 0, ple.io.model_prefix(TINY, 0))
-    from ple.io.disk import DiskTable
-
-    with pytest.raises(ValueError, match="^table: an NF4 table is not read from its files"):
-        DiskTable.from_checkpoint(ckpt, plan)
 
 
 def _damage(tmp_path, change, parts=0):

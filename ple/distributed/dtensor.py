@@ -16,7 +16,8 @@ by one of two ``ParallelStyle`` s::
   split, ``shard_range``; trailing ranks may hold fewer, or none). This is the memory win: the
   real model's 320M x 160 table is 1/W per rank.
 * `TableColwise` (``Shard(1)``): each rank holds every row and ``ceil(D / W)`` columns, the
-  layout of transformers' tensor-parallel plan for this model (``embedding_colwise``).
+  layout of transformers' tensor-parallel plan for this model (``embedding_colwise``). Not for
+  an NF4 table, whose packed rows have no columns of values (a ``ValueError``).
 
 Two kinds of lookup (``ple.distributed.table``):
 
@@ -69,13 +70,14 @@ class TableRowwise(ParallelStyle):
 
     For ``parallelize_module(layer, mesh, {"ple_embedding.ngram_embedding": TableRowwise()})``.
     The table is a `DenseTable` (its ``weight`` a DTensor Parameter) or a `QuantizedTable`
-    (``weight`` a DTensor buffer of its FP8 / int8 dtype; a per-row ``weight_scale`` sharded as
-    the rows, a per-tensor one replicated). ``input_layouts`` says where the layer's tokens are,
-    as in torch's own styles: ``Replicate()`` (default: every rank passes the same tokens) or
-    ``Shard(0)`` (each rank its own: data or sequence parallel; every lookup is then
-    ``local_token_rows`` with ``reduce``, and finds the ranks' token counts with one small
-    all-gather). A table on the ``meta`` device is created piece by piece, never whole; fill it
-    with ``load_table_piece_``. ``parallelize_module``'s ``src_data_rank`` is honoured (default:
+    (``weight`` a DTensor buffer of its FP8 / int8 dtype, a per-row ``weight_scale`` sharded as
+    the rows, a per-tensor one replicated; or NF4's packed uint8 rows, whole rows a rank).
+    ``input_layouts`` says where the layer's tokens are, as in torch's own styles:
+    ``Replicate()`` (default: every rank passes the same tokens) or ``Shard(0)`` (each rank
+    its own: data or sequence parallel; every lookup is then ``local_token_rows`` with
+    ``reduce``, and finds the ranks' token counts with one small all-gather). A table on the
+    ``meta`` device is created piece by piece, never whole; fill it with
+    ``load_table_piece_``. ``parallelize_module``'s ``src_data_rank`` is honoured (default:
     rank 0's table is scattered; None: each rank slices its own copy).
     """
 
@@ -96,7 +98,8 @@ class TableRowwise(ParallelStyle):
 class TableColwise(TableRowwise):
     """Shard a PLE layer's table by columns (``Shard(1)``), the layout of transformers' TP plan.
 
-    Options as for `TableRowwise`; per-row scales of an int8 table are replicated.
+    Options as for `TableRowwise`; per-row scales of an int8 table are replicated. An NF4 table
+    (packed rows) is refused, a ``ValueError`` naming ``placement``: shard it by rows.
     """
 
     placement = "col"

@@ -47,16 +47,26 @@ import triton.language as tl
 
 from .. import _checks
 from .. import reference as _reference
+from ..quant import NF4_LEVELS
 from ..reference.hashing import HashParams
-from ._library import register, twin
-from ._numerics import pow2_block
+from ._library import check_runnable, register, twin
+from ._numerics import down, pow2_block
 from .embedding import _lookup_bwd
 
-__all__ = ["ngram_ids", "ngram_embedding"]
+__all__ = ["ngram_ids", "ngram_embedding", "ngram_embedding_nf4"]
 
 _BLOCK_T = 64          # tokens per program of ``ngram_ids`` (an ids tile [_BLOCK_T, NH])
 _FUSED_ROWS = 256      # (token, head) rows per program of the fused gather: _FUSED_ROWS // NH' tokens
 _BLOCK_D = 64          # table columns per chunk of the fused gather
+_NF4_BLOCK_D = 32      # values per chunk of the fused NF4 gather (16 bytes of a row's codes)
+_LEVELS: dict[torch.device, torch.Tensor] = {}
+
+
+def _levels(device: torch.device) -> torch.Tensor:
+    """``ple.quant.NF4_LEVELS`` (float32 [16]) on ``device``, copied there once."""
+    if device not in _LEVELS:
+        _LEVELS[device] = NF4_LEVELS.to(device)
+    return _LEVELS[device]
 
 
 @triton.jit
@@ -66,11 +76,13 @@ def _ngram_kernel(
     ctx_ptr, stride_ctx_r, stride_ctx_k,                   # [R, N-1] contexts (HAS_CONTEXT)
     mult_ptr, sizes_ptr, offsets_ptr,                      # [N], [NH], [NH] int64, contiguous
     out_ptr, stride_out_t, stride_out_h,                   # [T, NH] int64 ids (HAS_IDS_OUT)
-    w_ptr, stride_w_r, stride_w_d,                         # [rows, D] table (HAS_TABLE)
+    w_ptr, stride_w_r, stride_w_d,                         # [rows, D] table, or NF4 words [rows, W] (HAS_TABLE)
     emb_ptr, stride_emb_t, stride_emb_c,                   # [T, NH*D] embedding (HAS_TABLE)
+    levels_ptr,                                            # [16] float32 NF4 levels (NF4)
     T, R, D, eos, search_steps,
     N: tl.constexpr, P: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_CONTEXT: tl.constexpr,
     HAS_IDS_OUT: tl.constexpr, HAS_TABLE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+    NF4: tl.constexpr = False, WORD: tl.constexpr = 1, IS_OUT_BF16: tl.constexpr = False,
 ):
     NH: tl.constexpr = (N - 1) * P
     # NHP: NH rounded up to a power of two (the width of the head axis of the tiles).
@@ -140,7 +152,34 @@ def _ngram_kernel(
     row = mix2 % size + offset                                           # [BLOCK_T, NHP] int64 table rows
     if HAS_IDS_OUT:
         tl.store(out_ptr + t[:, None] * stride_out_t + h[None, :] * stride_out_h, row, mask=m2)
-    if HAS_TABLE:
+    if HAS_TABLE and NF4:
+        # NF4 rows, read as words of WORD bytes (NIB codes a word), unpacked in registers: D values a row.
+        NIB: tl.constexpr = 2 * WORD
+        BLOCK_W: tl.constexpr = BLOCK_D // NIB                           # words per chunk (BLOCK_D values)
+        n_code_words = D // NIB
+        base = w_ptr + row * stride_w_r                                  # [BLOCK_T, NHP] the rows' first words
+        # The scale: bytes D/2, D/2 + 1 (a little-endian float16), the first two bytes of word D / NIB.
+        lo = tl.load(base + n_code_words * stride_w_d, mask=m2, other=0).to(tl.int32)
+        if WORD == 1:
+            hi = tl.load(base + (n_code_words + 1) * stride_w_d, mask=m2, other=0).to(tl.int32)
+            bits = (lo & 0xFF) | ((hi & 0xFF) << 8)
+        else:
+            bits = lo & 0xFFFF
+        bits = tl.where(bits >= 32768, bits - 65536, bits)             # the 16 bits as int16 holds them
+        scale = bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        shift = 4 * tl.arange(0, NIB)                                    # nibble k of a word is value k of it
+        for w0 in range(0, n_code_words, BLOCK_W):
+            wi = w0 + tl.arange(0, BLOCK_W).to(tl.int64)
+            mw = m2[:, :, None] & (wi < n_code_words)[None, None, :]
+            words = tl.load(base[:, :, None] + wi[None, None, :] * stride_w_d, mask=mw, other=0).to(tl.int32)
+            codes = tl.reshape((words[:, :, :, None] >> shift[None, None, None, :]) & 15,
+                               (BLOCK_T, NHP, BLOCK_D))                  # value w * NIB + k of the row
+            vals = tl.load(levels_ptr + codes) * scale[:, :, None]       # level[code] * scale in float32
+            d = w0 * NIB + tl.arange(0, BLOCK_D).to(tl.int64)
+            m3 = m2[:, :, None] & (d < D)[None, None, :]
+            tl.store(emb_ptr + t[:, None, None] * stride_emb_t + (h[None, :, None] * D + d[None, None, :]) *
+                     stride_emb_c, down(vals, emb_ptr.dtype.element_ty, IS_OUT_BF16), mask=m3)
+    elif HAS_TABLE:
         # Row id of (token, head) to columns [h*D, (h+1)*D) of the token's embedding, BLOCK_D at a time.
         for d0 in range(0, D, BLOCK_D):
             d = d0 + tl.arange(0, BLOCK_D).to(tl.int64)
@@ -150,9 +189,20 @@ def _ngram_kernel(
                      stride_emb_c, vals, mask=m3)
 
 
+def _nf4_words(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """NF4 rows ``[rows, W]`` (uint8) as ``[rows, W / WORD]`` words of ``WORD`` bytes (4, 2 or 1): the widest
+    that divides the row width, its stride and the rows' offset, so a row is read in ``W / WORD`` loads."""
+    for word, dt in ((4, torch.int32), (2, torch.int16)):
+        if (weight.stride(1) == 1 and weight.shape[1] % word == 0 and weight.stride(0) % word == 0
+                and weight.storage_offset() % word == 0 and weight.data_ptr() % word == 0):
+            return weight.view(dt), word
+    return weight, 1
+
+
 def _hash(input_ids, multipliers, head_sizes, head_offsets, P, eos_token_id, query_start_loc, ngram_context, *,
-          weight=None, write_ids=True):
-    """Launch ``_ngram_kernel``; returns ``(ids or None, embedding or None)``."""
+          weight=None, write_ids=True, nf4_dtype=None):
+    """Launch ``_ngram_kernel``; returns ``(ids or None, embedding or None)``. With ``nf4_dtype``, ``weight``
+    holds NF4 rows (uint8 ``[rows, D/2 + 4]``) and the embedding their values in that dtype."""
     dev = input_ids.device
     T = input_ids.numel()
     N = multipliers.numel()
@@ -163,8 +213,10 @@ def _hash(input_ids, multipliers, head_sizes, head_offsets, P, eos_token_id, que
     offsets = head_offsets.to(device=dev, dtype=torch.int64).contiguous()
     out = torch.empty((T, NH), dtype=torch.int64, device=dev) if write_ids else None
     has_table = weight is not None
-    D = weight.shape[1] if has_table else 0
-    emb = torch.empty((T, NH * D), dtype=weight.dtype, device=dev) if has_table else None
+    nf4 = nf4_dtype is not None
+    D = (2 * (weight.shape[1] - 4) if nf4 else weight.shape[1]) if has_table else 0
+    out_dtype = nf4_dtype if nf4 else (weight.dtype if has_table else None)
+    emb = torch.empty((T, NH * D), dtype=out_dtype, device=dev) if has_table else None
     if T == 0:
         return out, emb
     is_varlen = query_start_loc is not None
@@ -172,8 +224,9 @@ def _hash(input_ids, multipliers, head_sizes, head_offsets, P, eos_token_id, que
         query_start_loc = input_ids
     ctx = ngram_context if ngram_context is not None else input_ids[None]
     ids_out = out if out is not None else mult[None]                    # out is None without write_ids
-    w = weight if weight is not None else mult[None]
+    w, word = _nf4_words(weight) if nf4 else (weight if weight is not None else mult[None], 1)
     e = emb if emb is not None else mult[None]                          # emb is None without a table
+    levels = _levels(dev) if nf4 else mult
     # The fused gather's tile is [tokens, NH', BLOCK_D] (NH' = NH rounded up to a power of two).
     block_t = max(1, _FUSED_ROWS // triton.next_power_of_2(NH)) if has_table else _BLOCK_T
     _ngram_kernel[(triton.cdiv(T, block_t),)](
@@ -183,10 +236,12 @@ def _hash(input_ids, multipliers, head_sizes, head_offsets, P, eos_token_id, que
         mult_ptr=mult, sizes_ptr=sizes, offsets_ptr=offsets,
         out_ptr=ids_out, stride_out_t=ids_out.stride(0), stride_out_h=ids_out.stride(1),
         w_ptr=w, stride_w_r=w.stride(0), stride_w_d=w.stride(1),
-        emb_ptr=e, stride_emb_t=e.stride(0), stride_emb_c=e.stride(1),
+        emb_ptr=e, stride_emb_t=e.stride(0), stride_emb_c=e.stride(1), levels_ptr=levels,
         T=T, R=R, D=D, eos=eos_token_id, search_steps=max(R - 1, 0).bit_length(),
         N=N, P=P, IS_VARLEN=is_varlen, HAS_CONTEXT=ngram_context is not None,
-        HAS_IDS_OUT=write_ids, HAS_TABLE=has_table, BLOCK_T=block_t, BLOCK_D=pow2_block(D, _BLOCK_D),
+        HAS_IDS_OUT=write_ids, HAS_TABLE=has_table, BLOCK_T=block_t,
+        BLOCK_D=max(pow2_block(D, _NF4_BLOCK_D), 2 * word) if nf4 else pow2_block(D, _BLOCK_D),
+        NF4=nf4, WORD=word, IS_OUT_BF16=out_dtype == torch.bfloat16,
     )
     return out, emb
 
@@ -286,3 +341,70 @@ def ngram_embedding(weight: torch.Tensor, input_ids: torch.Tensor, params: HashP
     return _ngram_embedding_op(weight, input_ids, params.multipliers, params.head_sizes, params.head_offsets,
                                params.vocab_size, heads_per_ngram, eos_token_id, query_start_loc, ngram_context,
                                bool(validate))
+
+
+# ---- NF4 tables: hash, gather and unpack in one kernel ---------------------------------------------------------
+
+
+def _ngram_embedding_nf4_impl(weight: torch.Tensor, input_ids: torch.Tensor, multipliers: torch.Tensor,
+                              head_sizes: torch.Tensor, head_offsets: torch.Tensor, vocab_size: int,
+                              heads_per_ngram: int, eos_token_id: int, query_start_loc: torch.Tensor | None,
+                              ngram_context: torch.Tensor | None, dtype: torch.dtype,
+                              validate: bool) -> torch.Tensor:
+    if validate:
+        _checks.ngram_values(input_ids, HashParams(multipliers, head_sizes, head_offsets, 0, vocab_size),
+                             heads_per_ngram, eos_token_id, query_start_loc, ngram_context, weight=weight)
+    _, emb = _hash(input_ids, multipliers, head_sizes, head_offsets, heads_per_ngram, eos_token_id,
+                   query_start_loc, ngram_context, weight=weight, write_ids=False, nf4_dtype=dtype)
+    return emb
+
+
+def _ngram_embedding_nf4_fake(weight, input_ids, multipliers, head_sizes, head_offsets, vocab_size,
+                              heads_per_ngram, eos_token_id, query_start_loc, ngram_context, dtype, validate):
+    return weight.new_empty((input_ids.shape[0], head_sizes.shape[0] * 2 * (weight.shape[1] - 4)), dtype=dtype)
+
+
+_ngram_embedding_nf4_op = register("ngram_embedding_nf4", _ngram_embedding_nf4_impl,
+                                   fake=_ngram_embedding_nf4_fake)
+
+
+def ngram_embedding_nf4(weight: torch.Tensor, input_ids: torch.Tensor, params: HashParams, *, dtype: torch.dtype,
+                        heads_per_ngram: int, eos_token_id: int, query_start_loc: torch.Tensor | None = None,
+                        ngram_context: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
+    """The values of an NF4 table's rows for ``input_ids``' n-grams: hash, gather and unpack in one kernel.
+
+    Not an op of docs/spec.md section 7 (``ple.fast`` only; the layer uses it for an NF4 table
+    in the tokens' memory). It is, bit for bit::
+
+        ple.reference.nf4_dequantize_rows(ple.reference.ngram_embedding(weight, input_ids, params, ...), D, dtype)
+
+    with ``D = 2 * (W - 4)``: each packed row (``W = D/2 + 4`` bytes) is read once, as words of
+    4 bytes where the row width allows it (2 or 1 bytes otherwise), and unpacked in registers
+    (``level[code] * scale`` in float32, one rounding to ``dtype`` on the store); neither the ids
+    nor the packed rows are written to memory. No autograd: an NF4 table does not train.
+
+    Args:
+        weight: uint8 ``[rows, D/2 + 4]``, NF4 rows (docs/spec.md section 13).
+        input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context, validate:
+            as for ``ngram_embedding``.
+        dtype: the output's float dtype.
+
+    Returns:
+        ``[T, NH * D]`` in ``dtype``.
+
+    Raises:
+        TypeError: ``dtype`` is not a float dtype; the arguments of ``ngram_embedding``.
+        ValueError: ``weight`` is not uint8 ``[rows, D/2 + 4]`` with D even and at least 2; as
+            ``ngram_embedding``.
+    """
+    check_runnable("ngram_embedding_nf4", (weight, input_ids), {})
+    _checks.ngram_meta(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context,
+                       weight=weight)
+    if weight.dtype != torch.uint8 or weight.shape[1] < 5:
+        raise ValueError(f"weight: expected NF4 rows, uint8 [rows, D/2 + 4] with D >= 2 even, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype: expected a torch float dtype, got {dtype!r}")
+    return _ngram_embedding_nf4_op(weight, input_ids, params.multipliers, params.head_sizes, params.head_offsets,
+                                   params.vocab_size, heads_per_ngram, eos_token_id, query_start_loc,
+                                   ngram_context, dtype, bool(validate))

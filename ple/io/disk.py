@@ -17,25 +17,33 @@ A lookup (``table.rows``, through `DiskTable.gather`, on the host):
    file by file, shard by shard, in row order, by several threads when there are many (a cold
    read waits on the disk: reading with several threads keeps several reads in flight);
 3. the misses enter the cache, evicting the least recently used rows of their sets (below);
-4. the rows are put back in the ids' order and moved to the ids' device; an FP8 or int8 table is
-   dequantized there, by the formula of the in-memory table (``ple.quant``).
+4. the rows are put back in the ids' order and moved to the ids' device; an FP8, int8 or NF4 table
+   is dequantized there, by the formula of the in-memory table (``ple.quant``; NF4 rows are
+   unpacked by the backend's unpacker, as in memory).
 
 So the rows are the in-memory table's bit for bit: every step is a copy, and dequantization is
 the same elementwise formula. FP8 per-tensor and int8 per-row scales are held in memory (int8:
-4 bytes a row). ``layer.start_prefetch`` runs steps 1-3 in the prefetch worker thread (with or
-without CUDA; ``ple.offload.start_gather``), so the reads overlap the layers before this one.
+4 bytes a row). An NF4 table's rows are read, cached and moved packed (``D/2 + 4`` bytes a row,
+uint8, its float16 scale inside: 84 bytes at D = 160, against 160 for FP8); each row read from
+the files has its scale checked finite (as ``load_layer`` checks every row when it reads the
+whole table): a NaN or infinite scale is a ``ValueError`` naming the key, the row and the file,
+raised before anything is cached. ``layer.start_prefetch`` runs steps 1-3 in the prefetch worker
+thread (with or without CUDA; ``ple.offload.start_gather``), so the reads overlap the layers
+before this one.
 
 The cache (`RowCache`, ``ple.io.row_cache``): ``cache_bytes`` bounds its memory, rows and their
-bookkeeping together; rows are kept in the table's stored dtype; it is 16-way set associative,
-least recently used within a set. ``table.stats()`` counts what happened.
+bookkeeping together; rows are kept in the table's stored dtype (NF4: packed rows, so a row
+costs ``D/2 + 4`` bytes); it is 16-way set associative, least recently used within a set.
+``table.stats()`` counts what happened (``bytes_read``: the stored bytes, packed for NF4).
 
 Safety (``ple.io.mapped``): the files are mapped read only and never written; each is checked
 when mapped (header and size) and before every read (size and modification time), so a file
 truncated or changed after loading is a ``ValueError`` naming it, not a crash.
 
 A `DiskTable` has no gradient (it is served, not trained) and its ``state_dict`` holds only the
-scales: ``weight`` is a meta tensor ``[rows, D]`` that says the table's shape and dtype (so
-anything that would read the values from it fails loudly), and the values stay in the files.
+scales: ``weight`` is a meta tensor that says the table's shape and dtype as the in-memory table's
+``weight`` would (``[rows, D]``; NF4: uint8 ``[rows, D/2 + 4]``, with `dim` D), so anything that would
+read the values from it fails loudly, and the values stay in the files.
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ import torch
 
 from .. import _checks
 from ..offload import start_gather
-from ..quant import dequantize_rows, scheme_of
+from ..quant import scheme_of
 from ..table import Table, is_float_table
 from .files import Checkpoint, dtype_name, human_bytes
 from .mapped import READ_THREADS, MappedFile, TablePiece, map_view, read_rows
@@ -80,8 +88,10 @@ class DiskTable(Table):
     `DiskTable.from_checkpoint`); see the module docstring for how lookups, the cache and the
     safety checks work. ``weight`` is a meta tensor ``[rows, D]`` of the table's dtype (the
     stored one for FP8 / int8, the layer's for a float table, as the in-memory table would
-    have); ``weight_scale`` (quantized tables) is a real buffer: the FP8 scale moves with the
-    layer (``layer.to(device)``), int8 per-row scales stay in host memory with the rows' cache.
+    have; NF4: uint8 ``[rows, D/2 + 4]``, the packed rows' shape, and `dim` is D);
+    ``weight_scale`` (FP8 and int8 tables) is a real buffer: the FP8 scale moves with the
+    layer (``layer.to(device)``), int8 per-row scales stay in host memory with the rows' cache;
+    an NF4 table has none (each row holds its scale).
     Moving or casting the layer changes no file: a float table's rows are cast to the layer's
     dtype as they are looked up.
 
@@ -101,10 +111,13 @@ class DiskTable(Table):
         self._files = list(files)
         self._stored = stored_dtype
         self._value = stored_dtype if value_dtype is None or scheme_of(stored_dtype) else value_dtype
-        self.weight = torch.empty((num_rows, dim), dtype=self._value, device="meta")     # not a buffer
+        self._dim = dim
+        scheme = scheme_of(stored_dtype)
+        width = scheme.weight_width(dim) if scheme is not None else dim                  # NF4: D/2 + 4 bytes
+        self.weight = torch.empty((num_rows, width), dtype=self._value, device="meta")   # not a buffer
         if weight_scale is not None:
             self.register_buffer("weight_scale", weight_scale)
-        row_bytes = dim * stored_dtype.itemsize
+        row_bytes = width * stored_dtype.itemsize
         u = next(u for u in _UNITS if row_bytes % u == 0 and all(p.offset % u == 0 for p in self._pieces))
         self._unit, self._units, self._row_bytes = _UNITS[u], row_bytes // u, row_bytes
         self._map_pieces(num_rows)
@@ -153,11 +166,10 @@ class DiskTable(Table):
 
         ``dtype``: the layer's dtype, what a float table's rows are cast to (default: the
         stored one). ``device``: where an FP8 table's scale goes (the layer's device). int8
-        per-row scales are read into host memory, ``block_rows`` at a time.
+        per-row scales are read into host memory, ``block_rows`` at a time. An NF4 table's rows
+        (``D/2 + 4`` bytes each, scales inside) are all left in the files.
         """
-        if plan.scheme is not None and plan.scheme.packed:
-            raise ValueError(f"table: an NF4 table is not read from its files yet (docs/spec.md section 13); load "
-                             f"it with offload=False ({plan.pieces[0].key})")
+        width = plan.scheme.weight_width(plan.dim) if plan.scheme is not None else plan.dim    # NF4: D/2 + 4
         files: dict[Path, MappedFile] = {}
         pieces = []
         try:
@@ -167,16 +179,18 @@ class DiskTable(Table):
                 if path not in files:
                     files[path] = MappedFile(path)
                 mf = files[path]
-                begin, _ = mf.span(tp.key, plan.table_dtype, (tp.stop - tp.start, plan.dim))
+                begin, _ = mf.span(tp.key, plan.table_dtype, (tp.stop - tp.start, width))
                 pieces.append(TablePiece(tp.start, tp.stop, tp.key, mf, begin))
             scale = None
-            if plan.scheme is not None and plan.scheme.per_row:
+            if plan.scheme is None or plan.scheme.packed:               # float, or NF4: the scales are in the rows
+                pass
+            elif plan.scheme.per_row:
                 scale = torch.empty((plan.num_rows, 1), dtype=torch.float32)
                 for tp in plan.pieces:
                     for a in range(tp.start, tp.stop, block_rows):
                         b = min(a + block_rows, tp.stop)
                         scale[a:b].copy_(ckpt.read(cast(str, tp.scale_key), a - tp.start, b - tp.start))
-            elif plan.scheme is not None:
+            else:
                 scale = ckpt.read(cast(str, plan.scale_key)).reshape(1).to(device, copy=True)   # not a view of a map
             return cls(pieces, list(files.values()), num_rows=plan.num_rows, dim=plan.dim,
                        stored_dtype=plan.table_dtype, value_dtype=dtype, weight_scale=scale,
@@ -187,6 +201,11 @@ class DiskTable(Table):
             raise
 
     # ---- what it holds -------------------------------------------------------------------------------------
+    @property
+    def dim(self) -> int:
+        """D, the values per row (an NF4 row stores them in ``D/2 + 4`` bytes)."""
+        return self._dim
+
     @property
     def files(self) -> list[Path]:
         """The files the table is read from."""
@@ -204,7 +223,8 @@ class DiskTable(Table):
 
     def extra_repr(self) -> str:
         nbytes = self.num_rows * self._row_bytes
-        return (f"{self.num_rows}, {self.dim}, dtype={dtype_name(self._stored)}, {human_bytes(nbytes)} in "
+        nf4 = " (nf4)" if self._packed else ""
+        return (f"{self.num_rows}, {self.dim}, dtype={dtype_name(self._stored)}{nf4}, {human_bytes(nbytes)} in "
                 f"{len(self._files)} file(s), cache={human_bytes(self._cache_bytes)}")
 
     def stats(self) -> dict[str, int | float]:
@@ -256,12 +276,14 @@ class DiskTable(Table):
         """The stored rows of host ids ``[T, NH]``: ``(rows [T, NH * D] in the stored dtype, row_scale)``.
 
         As ``ple.quant.gather_raw`` gives them: ``row_scale`` is None (float), the FP8 scale
-        ``[1]`` or the int8 rows' scales ``[T, NH]``. ``pin``: into pinned memory (for a copy to
-        a GPU). Ids outside ``[0, rows)`` are a ``ValueError`` naming ``ids``; a file changed
-        since it was mapped is a ``ValueError`` naming it (nothing read, nothing changed).
+        ``[1]`` or the int8 rows' scales ``[T, NH]``; NF4 rows are packed, uint8
+        ``[T, NH * (D/2 + 4)]``, with ``row_scale`` None. ``pin``: into pinned memory (for a copy
+        to a GPU). Ids outside ``[0, rows)`` are a ``ValueError`` naming ``ids``; a file changed
+        since it was mapped is a ``ValueError`` naming it, and so is an NF4 row read with a scale
+        that is not finite (naming its key and row too): nothing is cached, nothing changed.
         """
         T, NH = ids.shape
-        D = self.dim
+        W = self.weight.shape[1]                                         # D, or an NF4 row's D/2 + 4 bytes
         flat = ids.reshape(-1).to(torch.int64)
         out = torch.empty((flat.numel(), self._units), dtype=self._unit, pin_memory=pin)
         if flat.numel():
@@ -273,7 +295,7 @@ class DiskTable(Table):
                 urows = self._distinct_rows(uniq)
                 self._counts["rows"] += flat.numel()
             torch.index_select(urows, 0, inverse, out=out)
-        rows = out.view(torch.uint8).view(self._stored).view(T, NH * D)
+        rows = out.view(torch.uint8).view(self._stored).view(T, NH * W)
         scale = self.scale
         if scale is not None and scale.dim() == 2:                      # int8: per-row scales, in memory
             row_scale = torch.empty(flat.numel(), dtype=torch.float32, pin_memory=pin)
@@ -295,6 +317,8 @@ class DiskTable(Table):
         else:
             miss_ids = uniq
         misses = self._read(miss_ids)                     # checks the files first: may raise, nothing changed
+        if self._packed:
+            self._check_scales(miss_ids, misses)          # may raise, nothing changed
         if cache is None:
             urows = misses
             hits = 0
@@ -346,20 +370,36 @@ class DiskTable(Table):
             out.index_copy_(0, sel, part)
         return out
 
+    def _check_scales(self, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """NF4 rows ``[n, units]`` just read (sorted ids ``[n]``) must hold finite float16 scales: else a
+        ``ValueError`` naming the key, the row (of that key) and the file."""
+        raw = rows.view(torch.uint8)
+        half = raw.shape[1] - 4                                          # the scale: bytes D/2 (low), D/2 + 1
+        bad = ((raw[:, half + 1] & 0x7C) == 0x7C).nonzero()              # exponent all ones: inf or NaN
+        if not bad.numel():
+            return
+        i = int(bad[0])
+        r = int(ids[i])
+        p = self._pieces[int(torch.searchsorted(self._piece_starts, torch.tensor(r), right=True)) - 1]
+        value = float(raw[i, half: half + 2].contiguous().view(torch.float16))
+        raise ValueError(f"{p.key}: row {r - p.start}'s NF4 scale is {value} (bytes {half}, {half + 1} of the row), "
+                         f"expected a finite float16; a damaged file? (in {p.file.path})")
+
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype, *, ops: ModuleType | CustomOps,
                validate: bool = True) -> torch.Tensor:
-        """`rows` without a prefetch: gathered now, on the host (``ops`` is not used: rows are read here)."""
+        """`rows` without a prefetch: gathered now, on the host, then turned into values on ``ids``'s device
+        (NF4 rows unpacked by ``ops``'s unpacker where it has one, as in memory; ``ops`` gathers nothing)."""
         _checks.index("ids", ids, ndim=2)
         cuda = ids.device.type == "cuda"
         rows, scale = self.gather(ids.to("cpu"), cuda)                   # range-checked there, always
         rows = rows.to(ids.device, non_blocking=cuda)
         if scale is not None:
             scale = scale.to(ids.device, non_blocking=cuda and scale.is_pinned())
-        return self._values(rows, scale, dtype)
+        return self._values_on(ops, rows, scale, dtype)
 
     def _values(self, rows: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        if self.quantized:
-            return dequantize_rows(rows, cast(torch.Tensor, scale), dtype)
+        if self.quantized:                             # FP8 / int8 / NF4: as the in-memory table
+            return super()._values(rows, scale, dtype)
         return rows.to(self._value).to(dtype)          # as the in-memory table: cast to the layer's dtype first
 
     def prefetch(self, ids: torch.Tensor, device: torch.device) -> None:

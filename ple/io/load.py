@@ -346,16 +346,18 @@ def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_in
 
     The table (whole, or ``split_ngram_parts``-style shards) is read block by block into
     one preallocated tensor; FP8, int8 and NF4 tables stay quantized (``ple.quant``; an NF4
-    table's float16 row scales are checked finite as its blocks are read). An NF4 table is
-    not offloaded yet: ``offload`` True / ``"host"`` / ``"disk"`` with one is a ``ValueError``. A merged
-    ``kv_proj.weight`` is split into ``key_proj`` / ``value_proj``. ``dtype``: the dtype
-    of the float tensors (default: that of the projections in the file). ``offload``:
-    keep the table in host memory, pinned where CUDA exists (``ple.offload``), and put
-    the rest on ``device`` (``offload=True`` or ``"host"``); ``offload="disk"``: leave the table in
-    its files and read its rows from them as they are needed, through read-only memory maps
-    and a cache of ``cache_bytes`` of hot rows (default ``ple.io.disk.DISK_CACHE_BYTES``, 256
-    MiB; 0: none): the table is a ``ple.io.disk.DiskTable``, whose rows are those of the
-    in-memory table bit for bit and are never all read (``table.stats()`` counts what is).
+    table's float16 row scales are checked finite as its blocks are read), wherever ``offload``
+    puts them (an NF4 table in host memory or on disk stays packed, ``D/2 + 4`` bytes a row, and
+    only the rows gathered are unpacked; read from disk, each row's scale is checked finite as
+    the row is first read). A merged ``kv_proj.weight`` is split into ``key_proj`` /
+    ``value_proj``. ``dtype``: the dtype of the float tensors (default: that of the
+    projections in the file). ``offload``: keep the table in host memory, pinned where CUDA
+    exists (``ple.offload``), and put the rest on ``device`` (``offload=True`` or
+    ``"host"``); ``offload="disk"``: leave the table in its files and read its rows from
+    them as they are needed, through read-only memory maps and a cache of ``cache_bytes`` of
+    hot rows (default ``ple.io.disk.DISK_CACHE_BYTES``, 256 MiB; 0: none): the table is a
+    ``ple.io.disk.DiskTable``, whose rows are those of the in-memory table bit for bit and
+    are never all read (``table.stats()`` counts what is).
     Returns the layer, or ``(layer, LoadReport)`` with ``return_report``.
     """
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
@@ -371,10 +373,6 @@ def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_in
         _checks.int_arg("cache_bytes", cache_bytes, minimum=0)
     _checks.int_arg("block_bytes", block_bytes, minimum=1)
     ckpt, plan = _open_layer(path, config, ple_layer_index, prefix)
-    if plan.scheme is not None and plan.scheme.packed and offload:
-        where = "read from its files (offload='disk')" if disk else "kept in host memory (offload=True / 'host')"
-        raise ValueError(f"offload: an NF4 table is not {where} yet (docs/spec.md section 13); load it with "
-                         f"offload=False ({plan.pieces[0].key})")
     cfg, pfx = plan.config, plan.prefix
     dtype = dtype or plan.model_dtype
     device = torch.device(device) if device is not None else torch.device("cpu")

@@ -209,3 +209,89 @@ def test_ngram_embedding_deterministic_backward(dtype, monkeypatch):
         for i, r in enumerate(ids.reshape(-1).tolist()):
             want[r] += acc[i]
         assert_bitwise_equal(grads[0], want.to(dtype), name="token-order sum")
+
+
+# ---- NF4 tables: hash + gather + unpack in one kernel ----------------------------------------------------------
+def _nf4_rows(n: int, D: int, seed: int) -> torch.Tensor:
+    """NF4 rows of random codes and finite float16 scales (zero, negative, subnormal and huge ones too)."""
+    from ple.quant import nf4_pack
+    g = _gen(seed)
+    codes = torch.randint(0, 16, (n, D), generator=g, dtype=torch.uint8)
+    scale = (torch.randn(n, generator=g) * 2.0 ** torch.randint(-26, 16, (n,), generator=g)).to(torch.float16)
+    scale[: min(n, 4)] = torch.tensor([0.0, -0.0, 2.0**-24, 65504.0])[: min(n, 4)]
+    return nf4_pack(codes, scale)
+
+
+@given(hash_cases(), st.sampled_from([2, 4, 6, 8, 10, 14, 16, 160]),
+       st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), st.sampled_from(["plain", "offset", "odd"]),
+       st.integers(0, 2**31 - 1))
+def test_ngram_embedding_nf4_equals_the_reference_composition(case, D, dtype, layout, seed):
+    """``ple.fast.ngram_embedding_nf4`` = ``nf4_dequantize_rows(ngram_embedding(...))`` bit for bit: every row width
+    (4-, 2- and 1-byte words: D % 8 == 0, D % 4 == 2 ...), rows starting off a word, strides not a word."""
+    from ple.fast import ngram_embedding_nf4
+    params, input_ids, kwargs = case
+    rows = _nf4_rows(params.num_rows + 1, D, seed)
+    W = rows.shape[1]
+    if layout == "offset":                                   # rows start 1 byte past a word: 1-byte words
+        weight = rows.reshape(-1)[1:1 + params.num_rows * W].reshape(params.num_rows, W)
+    elif layout == "odd":                                    # a row stride of W + 1 bytes
+        buf = torch.zeros(params.num_rows, W + 1, dtype=torch.uint8)
+        buf[:, :W] = rows[:-1]
+        weight = buf[:, :W]
+    else:
+        weight = rows[:-1]
+    want = ref.nf4_dequantize_rows(ref.ngram_embedding(weight, input_ids, params, **kwargs), D, dtype)
+    got = ngram_embedding_nf4(weight, input_ids, params, dtype=dtype, **kwargs)
+    assert got.dtype == dtype
+    assert_bitwise_equal(got, want, name=f"ngram_embedding_nf4 D={D} {layout}")
+
+
+def test_ngram_embedding_nf4_word_sizes():
+    """The kernel reads 4-byte words where the rows allow (the model's D = 160: 84-byte rows), else 2 or 1."""
+    from ple.fast.hashing import _nf4_words
+    assert _nf4_words(_nf4_rows(3, 160, 0))[1] == 4                   # 84 bytes
+    assert _nf4_words(_nf4_rows(3, 4, 0))[1] == 2                     # 6 bytes
+    assert _nf4_words(_nf4_rows(3, 6, 0))[1] == 1                     # 7 bytes
+    assert _nf4_words(_nf4_rows(4, 160, 0)[1:])[1] == 4               # rows from the second: offset 84
+    assert _nf4_words(_nf4_rows(3, 160, 0).reshape(-1)[2:2 + 168].reshape(2, 84))[1] == 2
+
+
+def test_ngram_embedding_nf4_refuses_bad_arguments():
+    from ple.fast import ngram_embedding_nf4
+    params, kw = tiny_hash_setup()
+    tokens = torch.tensor([1, 2])
+    with pytest.raises(ValueError, match="^weight: expected NF4 rows"):
+        ngram_embedding_nf4(torch.zeros(params.num_rows, 6), tokens, params, dtype=torch.float32, **kw)
+    with pytest.raises(ValueError, match="^weight: expected NF4 rows"):
+        ngram_embedding_nf4(torch.zeros(params.num_rows, 4, dtype=torch.uint8), tokens, params,
+                            dtype=torch.float32, **kw)
+    with pytest.raises(TypeError, match="^dtype: "):
+        ngram_embedding_nf4(_nf4_rows(params.num_rows, 4, 0), tokens, params, dtype=torch.int32, **kw)
+    with pytest.raises(ValueError, match="weight"):                   # too few rows for the hash
+        ngram_embedding_nf4(_nf4_rows(10, 4, 0), tokens, params, dtype=torch.float32, **kw)
+
+
+def test_the_layer_runs_an_nf4_table_through_the_fused_kernel(monkeypatch):
+    """A triton layer with an NF4 table in memory hashes, gathers and unpacks in ``ngram_embedding_nf4`` (the ids
+    are never looked up apart), and gives the reference layer's bits."""
+    import ple.fast
+    from ple.testing.layers import random_layer
+    cfg = PLEConfig.preset("tiny")
+    calls = []
+    fused = ple.fast.ngram_embedding_nf4
+
+    def spy(*a, **k):
+        calls.append(k["dtype"])
+        return fused(*a, **k)
+
+    monkeypatch.setattr(ple.fast, "ngram_embedding_nf4", spy)
+    monkeypatch.setattr(ple.fast, "embedding_lookup", None)          # the unfused path would fail
+    layers = {b: random_layer(cfg, 0, torch.bfloat16, seed=3, backend=b) for b in ("reference", "triton")}
+    for layer in layers.values():
+        layer.ple_embedding.quantize_("nf4")
+    g = _gen(4)
+    h = torch.randn(2, 5, cfg.hc_hidden_size, generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, cfg.vocab_size, (2, 5), generator=g)
+    with torch.no_grad():
+        assert_bitwise_equal(layers["triton"](h, ids), layers["reference"](h, ids), name="NF4 layer")
+    assert calls == [torch.bfloat16]

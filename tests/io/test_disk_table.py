@@ -576,3 +576,34 @@ def test_benchmark_smoke(tmp_path, monkeypatch):
     report = json.loads((tmp_path / "r.json").read_text())
     assert set(report["modes"]) == {"decode", "prefill"} and "memory" in report["modes"]["decode"]
     assert not list(tmp_path.glob("fp8-*"))                                # the checkpoint deleted
+
+
+@pytest.mark.deep
+def test_benchmark_smoke_table_dtypes(tmp_path, monkeypatch):
+    """``bench_disk_table.py --smoke --table-dtypes bfloat16,fp8,nf4``: the dtypes side by side in one run, on the
+    same streams (so a cold decode pass reads the same rows of each: bytes in the ratio of their row widths)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    sys.modules.pop("bench_disk_table", None)
+    import bench_disk_table
+
+    threads = torch.get_num_threads()
+    try:
+        assert bench_disk_table.main(["--smoke", "--table-dtypes", "bfloat16,fp8,nf4", "--dir", str(tmp_path),
+                                      "--json", str(tmp_path / "r.json")]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads((tmp_path / "r.json").read_text())
+    schemes = report["schemes"]
+    assert report["table_dtypes"] == ["bfloat16", "fp8", "nf4"] and list(schemes) == report["table_dtypes"]
+    for s in schemes.values():
+        assert set(s["modes"]) == {"decode", "prefill"}
+        for mode in s["modes"].values():
+            assert {"memory", "disk, cold", "disk, warm", "disk, again"} <= set(mode)
+    cold = {n: s["modes"]["decode"]["disk, cold"] for n, s in schemes.items()}
+    for other in ("bfloat16", "fp8"):                                     # NF4 against each, from the same run
+        assert cold["nf4"]["ratios"][other] == pytest.approx(
+            cold["nf4"]["tokens_per_s"] / cold[other]["tokens_per_s"])
+    rows_read = {n: c["stats"]["rows_read"] for n, c in cold.items()}
+    assert len(set(rows_read.values())) == 1 and rows_read["nf4"] > 0      # the same stream for each
+    assert [c["stats"]["bytes_read"] // rows_read[n] for n, c in cold.items()] == [320, 160, 84]
+    assert not list(tmp_path.glob("*-*"))                                  # the checkpoints deleted
