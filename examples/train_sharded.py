@@ -8,8 +8,11 @@ n-gram language of ``examples/train_tiny.py``. The PLE table is a DTensor on a 1
 DeviceMesh (``TableRowwise``: rows split across ranks, the memory win; ``--placement col``:
 columns, transformers' TP layout), each rank trains on its own batches
 (``input_layouts=Shard(0)``), and FSDP2 (``fully_shard``) shards every dense parameter over
-the same ranks, the table left to DTensor (``ignored_params``). Rank 0 prints the loss
-of the first and the last step; the loss must fall (exit status 1 if it does not).
+the same ranks, the table left to DTensor (``ignored_params``). The table trains with
+``ple.optim.RowwiseAdagrad``: each rank updates the rows (or columns) it holds, from the
+lookups of every rank, and keeps their state (no dense gradient, nothing sized by the table
+crosses the wire); the dense parameters with ``torch.optim.Adam`` beside it. Rank 0 prints
+the loss of the first and the last step; the loss must fall (exit status 1 if it does not).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from torch import nn
 
 import ple
 from ple.demo import int_at_least
-from ple.distributed import parallelize_tables
+from ple.distributed import dense_params, parallelize_tables
 
 
 class TinyLM(nn.Module):
@@ -48,6 +51,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int_at_least(1), default=40)
     p.add_argument("--batch", type=int_at_least(1), default=8, help="sequences per rank and step")
     p.add_argument("--placement", choices=["row", "col"], default="row")
+    p.add_argument("--table-lr", type=float, default=0.3, help="RowwiseAdagrad's learning rate for the table")
     args = p.parse_args(argv)
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -70,25 +74,28 @@ def main(argv=None) -> int:
     model = TinyLM(config).to("cuda" if cuda else "cpu")
     parallelize_tables(model, mesh, args.placement, input_layouts=Shard(0))
     fully_shard(model, mesh=mesh, ignored_params={model.ple.table.weight})
-    opt = torch.optim.Adam(model.parameters(), lr=3e-2)
+    table_opt = ple.optim.RowwiseAdagrad(model.ple, lr=args.table_lr)   # each rank its rows and their state
+    opt = torch.optim.Adam(dense_params(model), lr=3e-2)                # the rest, sharded by FSDP2
     gen = torch.Generator().manual_seed(1 + rank)           # each rank its own data
     losses = []
     for _ in range(args.steps):
         x = make_batch(gen, args.batch, 32, config.vocab_size, config.eos_token_id, 0.05).to(mesh.device_type)
         loss = model(x)
-        opt.zero_grad()
-        loss.backward()
+        loss.backward()                      # the table's gradient rows go to their owners here
         opt.step()
+        table_opt.step()
+        opt.zero_grad()
+        table_opt.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(float(mean) / world)
     t = model.ple.table.weight
     piece, shape = tuple(model.ple.table.weight.to_local().shape), tuple(model.ple.table.weight.shape)
-    del model, opt, t, mesh                                  # the DTensors go before the process group does
+    del model, opt, table_opt, t, mesh                       # the DTensors go before the process group does
     gc.collect()
     if rank == 0:
         print(f"{world} ranks, table {args.placement}-sharded ({piece} of {shape} "
-              f"on rank 0), dense parameters under FSDP2")
+              f"on rank 0) trained by RowwiseAdagrad, dense parameters under FSDP2")
         print(f"loss: step 1 {losses[0]:.3f} -> step {args.steps} {losses[-1]:.3f}")
     dist.destroy_process_group()
     return 0 if losses[-1] < losses[0] else 1

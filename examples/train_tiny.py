@@ -8,9 +8,12 @@ candidates; the PLE layer hashes each token's bigram (and trigram) window into
 its table, so the model can look the answer up.
 
 Both models: token embedding -> [PLE layer] -> RMS norm -> linear head. The no-PLE
-twin is the same model without the PLE layer. Usage::
+twin is the same model without the PLE layer. The PLE layer's table trains with a row optimizer
+(``ple.optim.RowwiseAdagrad``: only the rows a step looked up, state one float a row); everything
+else with ``torch.optim.Adam``. Usage::
 
     python examples/train_tiny.py                      # ~300 steps, both models, prints both losses
+    python examples/train_tiny.py --table-optimizer adam   # the table in torch.optim.Adam too (dense)
     python examples/train_tiny.py --backend triton     # the fast layer (TRITON_INTERPRET=1 on a CPU)
 """
 
@@ -61,19 +64,30 @@ class TinyLM(nn.Module):
         return self.head(self.norm(h))                    # [B, L, V]
 
 
+def optimizers(model: TinyLM, args) -> list[torch.optim.Optimizer]:
+    """The table in a row optimizer (``ple.optim``), the rest in Adam; or everything in Adam."""
+    if model.ple is None or args.table_optimizer == "adam":
+        return [torch.optim.Adam(model.parameters(), lr=args.lr)]
+    table = model.ple.table.weight
+    rest = [p for p in model.parameters() if p is not table]
+    return [ple.optim.RowwiseAdagrad(model.ple, lr=args.table_lr), torch.optim.Adam(rest, lr=args.lr)]
+
+
 def train(use_ple: bool, args, config: ple.PLEConfig) -> list[float]:
     torch.manual_seed(args.seed)
     model = TinyLM(config, use_ple, args.backend)
-    opt = torch.optim.Adam(model.parameters(), lr=args.lr)
+    opts = optimizers(model, args)
     gen = torch.Generator().manual_seed(args.seed + 1)
     losses = []
     for _ in progress(range(args.steps), desc="with PLE" if use_ple else "without PLE"):
         x = make_batch(gen, args.batch, args.length, config.vocab_size, config.eos_token_id, args.noise)
         logits = model(x[:, :-1])
         loss = nn.functional.cross_entropy(logits.reshape(-1, config.vocab_size), x[:, 1:].reshape(-1))
-        opt.zero_grad()
+        for opt in opts:
+            opt.zero_grad()
         loss.backward()
-        opt.step()
+        for opt in opts:
+            opt.step()
         losses.append(loss.item())
     return losses
 
@@ -85,6 +99,9 @@ def main(argv=None) -> int:
     p.add_argument("--length", type=int_at_least(2), default=32, help="tokens per sequence (default: 32)")
     p.add_argument("--noise", type=float, default=0.1, help="chance a token breaks the rule (default: 0.1)")
     p.add_argument("--lr", type=float, default=3e-2, help="Adam learning rate (default: 0.03)")
+    p.add_argument("--table-optimizer", choices=["rowwise-adagrad", "adam"], default="rowwise-adagrad",
+                   help="the PLE table's optimizer: ple.optim.RowwiseAdagrad (default) or Adam with the rest")
+    p.add_argument("--table-lr", type=float, default=0.3, help="RowwiseAdagrad's learning rate (default: 0.3)")
     p.add_argument("--seed", type=int, default=0, help="seed of weights and data (default: 0)")
     p.add_argument("--backend", choices=["reference", "torch", "triton", "auto"], default="auto",
                    help="ops of the PLE layer (default: auto = Triton on CUDA, else torch; triton on a CPU "

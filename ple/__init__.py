@@ -9,21 +9,23 @@
 * ``ple.io``: checkpoints in the model's safetensors layout.
 * ``ple.testing``: tolerances, strategies and checkers for testing kernels.
 * ``ple.table``: the n-gram table (dense, quantized, host-offloaded; sharded in ``ple.distributed``).
+* ``ple.optim``: row-wise optimizers that train the table through the rows a step looked up.
 * ``ple.PLELayer``: the layer, on any backend (``backend="reference" | "torch" | "triton" | "auto"``).
 
-After a bare ``import ple``, ``ple.reference``, ``ple.vectorized``, ``ple.state``, ``ple.io`` and
-``ple.testing`` are usable as attributes (docs/spec.md section 7); ``ple.fast`` and
+After a bare ``import ple``, ``ple.reference``, ``ple.vectorized``, ``ple.state``, ``ple.io``,
+``ple.testing`` and ``ple.optim`` are usable as attributes (docs/spec.md section 7); ``ple.fast`` and
 ``ple.distributed`` are imported when first used.
 """
 
 import importlib
 from types import ModuleType
 
-from . import io, reference, state, table, testing, vectorized
+from . import io, optim, reference, state, table, testing, vectorized
 from .config import PRESETS, PLEConfig
 from .layer import PLELayer
 
-__all__ = ["PLEConfig", "PRESETS", "PLELayer", "reference", "vectorized", "state", "io", "testing", "table"]
+__all__ = ["PLEConfig", "PRESETS", "PLELayer", "reference", "vectorized", "state", "io", "testing", "table",
+           "optim"]
 __version__ = "0.1.0"
 
 _LAZY = ("fast", "distributed")

@@ -1,5 +1,5 @@
 """Command line: ``python -m ple demo``, ``python -m ple check MODULE[:ATTR]``, ``python -m ple inspect PATH``,
-``python -m ple convert SRC DST`` (``python -m ple --help``)."""
+``python -m ple convert SRC DST``, ``python -m ple plan`` (``python -m ple --help``)."""
 
 from __future__ import annotations
 
@@ -8,18 +8,20 @@ import sys
 
 from . import demo
 from .io import cli as io_cli
+from .optim import cli as optim_cli
 from .testing import cli as check_cli
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ple", description="ple's command line: a serving demo "
                                      "checked against the whole-sequence layer, the kit for your own ops, "
-                                     "and checkpoint tools. "
+                                     "checkpoint tools, and the memory plan of training a table. "
                                      "`python -m ple COMMAND --help` describes each command's options.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", title="commands")
     demo._parser(sub)
     check_cli.register(sub)
     io_cli.register(sub)
+    optim_cli.register(sub)
     args = parser.parse_args(argv)
     return args.func(args)
 

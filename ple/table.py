@@ -33,8 +33,15 @@ dequantization is one elementwise formula (``(q.float() * scale).to(dtype)``; NF
 ``level[code] * float(scale)``), applied to the rows gathered only. NF4 rows are unpacked by
 the backend's own ``nf4_dequantize_rows`` where its op module has one (``ple.reference``: the
 readable statement) and by ``ple.quant.dequantize_rows`` (vectorised) otherwise; both give the
-same bits. An NF4 table is saved to and loaded from checkpoints (``ple.io``), but not yet
-offloaded (to host memory or disk) or sharded (each refuses it with a ``ValueError``).
+same bits. An NF4 table is saved to and loaded from checkpoints (``ple.io``) and offloaded like
+the others: kept in host memory (its packed rows, ``D/2 + 4`` bytes each, are gathered on the host
+and cross the bus packed, to be unpacked on the device) or read from its files
+(``ple.io.disk.DiskTable``), and sharded by rows only (``ple.distributed``: whole packed rows a rank,
+moved packed and unpacked after the collective).
+
+While a row optimizer (``ple.optim``) holds a float table, its lookups record for it: `row_grad_lookup`
+hands each lookup's ids and the gradient of its rows to the optimizer in the backward, and no gradient
+reaches ``weight.grad`` (`Table.row_optimizer`).
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ import functools
 import warnings
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -56,7 +63,7 @@ if TYPE_CHECKING:
     from .offload import Prefetch
 
 __all__ = ["Table", "DenseTable", "QuantizedTable", "gather_raw", "is_float_table", "FLOAT_TABLE_DTYPES",
-           "register_dtensor_lookup"]
+           "register_dtensor_lookup", "row_grad_lookup"]
 
 FLOAT_TABLE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -102,6 +109,7 @@ class Table(nn.Module):
         super().__init__()
         self._pending: Prefetch | None = None
         self.sparse_grad = False
+        self._row_sink: Callable[[], Any] | None = None      # a weak reference to a ple.optim optimizer
 
     # ---- what it holds -----------------------------------------------------------------------
     @property
@@ -145,7 +153,10 @@ class Table(nn.Module):
         if pending is not None:
             got = self._take(pending, ids)
             if got is not None:
-                return self._values_on(ops, *got, dtype)
+                values = self._values_on(ops, *got, dtype)
+                if self._trains_by_rows():              # a row optimizer takes the gradient: the rows serve
+                    return row_grad_lookup(self, ids, lambda: values, ops)
+                return values
         return self.lookup(ids, dtype, ops=ops, validate=validate)
 
     def _values(self, rows: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
@@ -166,9 +177,27 @@ class Table(nn.Module):
         """The weight is a ``DTensor`` (``ple.distributed.TableRowwise`` / ``TableColwise``): lookups are collective."""
         return _is_dtensor(self.weight)
 
+    @property
+    def row_optimizer(self) -> torch.optim.Optimizer | None:
+        """The ``ple.optim`` optimizer training this table row by row, or None (held by a weak reference)."""
+        sink = getattr(self, "_row_sink", None)
+        return sink() if sink is not None else None
+
+    def _trains_by_rows(self) -> bool:
+        """A lookup now records for a row optimizer (``ple.optim``): one holds the table and autograd is on."""
+        return self.weight.requires_grad and torch.is_grad_enabled() and self.row_optimizer is not None
+
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype, *, ops: ModuleType | CustomOps,
                validate: bool = True) -> torch.Tensor:
-        """`rows` without a prefetch: gathered now."""
+        """`rows` without a prefetch: gathered now. While a row optimizer holds the table (``ple.optim``), the
+        rows' gradient goes to it in the backward (`row_grad_lookup`), never to ``.grad``."""
+        if self._trains_by_rows():
+            return row_grad_lookup(self, ids, lambda: self._gather(ids, dtype, ops=ops, validate=validate), ops)
+        return self._gather(ids, dtype, ops=ops, validate=validate)
+
+    def _gather(self, ids: torch.Tensor, dtype: torch.dtype, *, ops: ModuleType | CustomOps,
+                validate: bool = True) -> torch.Tensor:
+        """The body of `lookup`."""
         if self.is_dtensor:
             if _dtensor_lookup is None:
                 raise RuntimeError("a DTensor table is looked up by ple.distributed: import ple.distributed")
@@ -193,7 +222,7 @@ class Table(nn.Module):
     def _take(self, pending: Prefetch, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``(rows, row_scale)`` of a pending prefetch if it may be used for ``ids``, else None (warns)."""
         p_ids, rows, scale = pending.result()
-        if torch.is_grad_enabled() and self.weight.requires_grad:
+        if torch.is_grad_enabled() and self.weight.requires_grad and self.row_optimizer is None:
             warnings.warn("start_prefetch: the table needs a gradient here, so the prefetched rows (fetched "
                           "without autograd) were not used; looked up again", stacklevel=4)
             return None
@@ -209,14 +238,13 @@ class Table(nn.Module):
     def offload_(self, *, pin: bool | None = None) -> Table:
         """Keep the table in host memory (pinned if ``pin``, default: where CUDA exists). Returns self.
 
-        A per-row scale goes with the rows; a per-tensor scale stays where it is.
+        A per-row scale (int8) goes with the rows; a per-tensor scale (FP8) stays where it is. An
+        NF4 table's packed rows carry their scales: a lookup gathers them on the host, copies them
+        over packed (``D/2 + 4`` bytes a row) and unpacks them on the device.
         """
         if self.is_dtensor:
             raise NotImplementedError("offload_: a DTensor table is looked up collectively; keep each rank's piece "
                                       "on its device")
-        if self._packed:
-            raise ValueError("table: an NF4 table is not kept in host memory yet (docs/spec.md section 13); keep it "
-                             "on the layer's device")
         pin = torch.cuda.is_available() if pin is None else bool(pin)
 
         def host(t: torch.Tensor) -> torch.Tensor:
@@ -345,3 +373,35 @@ class QuantizedTable(Table):
 
     def extra_repr(self) -> str:
         return f"{self.num_rows}, {self.dim}, scheme={self.scheme.name}"
+
+
+class _RowGradLookup(torch.autograd.Function):
+    """The rows of ``ids`` (computed by ``values`` without autograd); the backward hands ``(ids, grad)`` to
+    ``sink`` and returns no gradient for the weight (so nothing reaches ``.grad``)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: torch.Tensor, ids: torch.Tensor, values: Callable[[], torch.Tensor],
+                sink: Callable[[torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+        ctx.sink = sink
+        ctx.save_for_backward(ids)
+        return values()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
+        (ids,) = ctx.saved_tensors
+        ctx.sink(ids, grad)
+        return None, None, None, None
+
+
+def row_grad_lookup(table: Table, ids: torch.Tensor, values: Callable[[], torch.Tensor],
+                    ops: ModuleType | CustomOps) -> torch.Tensor:
+    """What a table's lookup returns while a row optimizer (``ple.optim``) holds it and autograd records:
+    ``values()`` (the rows, looked up without autograd), whose backward hands the ids ``[T, NH]`` and the rows'
+    gradient ``[T, NH * D]`` to the optimizer holding the table then (nothing if it was dropped since)."""
+
+    def sink(ids: torch.Tensor, grad: torch.Tensor) -> None:
+        owner = table.row_optimizer
+        if owner is not None:
+            owner._accept(table, ids, grad, ops)          # type: ignore[attr-defined]
+
+    return cast(torch.Tensor, _RowGradLookup.apply(table.weight, ids, values, sink))

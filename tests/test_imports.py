@@ -20,7 +20,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "ple"
 LAYERS = [
     ("bottom", ["ple.config", "ple._progress", "ple._checks", "ple.quant", "ple.params", "ple._deprecation"]),
     ("ops", ["ple.backends", "ple.reference", "ple.vectorized", "ple.fast"]),
-    ("table", ["ple.table", "ple.offload"]),
+    ("table", ["ple.table", "ple.offload", "ple.optim"]),
     ("layer", ["ple.layer"]),
     ("state", ["ple.state"]),
     ("io", ["ple.io"]),

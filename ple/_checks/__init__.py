@@ -34,7 +34,8 @@ each backend and holds this paragraph to them.
 
 Modules, one concern each (everything is re-exported here, so callers write ``_checks.<name>``):
 ``args`` (one argument's checks, offsets, host values, `full_check`), ``ops`` (hashing, lookup,
-gate), ``conv`` (serving conv, checkpoint export, training conv), ``prefill`` (``ple_prefill``).
+gate), ``conv`` (serving conv, checkpoint export, training conv), ``prefill`` (``ple_prefill``), ``update``
+(``table_update`` and the row optimizers' hyperparameters).
 """
 
 from .args import (
@@ -79,6 +80,14 @@ from .ops import (
     ngram_values,
 )
 from .prefill import prefill_call, prefill_meta, prefill_values
+from .update import (
+    UpdateCall,
+    hyperparameters,
+    state_shapes,
+    table_update_call,
+    table_update_meta,
+    table_update_values,
+)
 
 __all__ = ["Host", "tensor", "index", "int_arg", "host_list", "host_values", "value_range", "offsets_meta",
            "offsets_values", "offsets_arg", "rows_values", "full_check",
@@ -86,4 +95,6 @@ __all__ = ["Host", "tensor", "index", "int_arg", "host_list", "host_values", "va
            "lookup_call", "multipliers_values", "GateCall", "gate_call",
            "ConvCall", "ple_conv_meta", "ple_conv_values", "ple_conv_call", "CheckpointCall", "export_meta",
            "export_values", "export_call", "DilatedCausalConvCall", "dilated_causal_conv_meta",
-           "dilated_causal_conv_values", "dilated_causal_conv_call", "prefill_meta", "prefill_values", "prefill_call"]
+           "dilated_causal_conv_values", "dilated_causal_conv_call", "prefill_meta", "prefill_values", "prefill_call",
+           "UpdateCall", "hyperparameters", "state_shapes", "table_update_meta", "table_update_values",
+           "table_update_call"]

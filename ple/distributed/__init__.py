@@ -8,6 +8,10 @@
   (its ``table.rows`` is a collective); each rank's own tokens: `local_token_rows`, an idle
   serving rank: `join_table_lookup`; a rank's piece from a checkpoint: `load_table_piece_`;
   FSDP2 / DDP: `dense_params`, `exclude_tables_from_ddp`.
+* Training the sharded table with ``ple.optim``'s row optimizers (``ple.distributed.row_update``):
+  each rank updates the rows (or columns) it holds and keeps their state; the result is one
+  process's. `optimizer_comm` counts what their steps send; `save_sharded` writes layers (and an
+  optimizer's state) piece by piece, every rank its own shard.
 * Sequence parallelism: `sp_forward` (a packed training batch split across
   ranks, with autograd) and `sp_step` (a serving step split across ranks, same
   outputs and cache states as one process), with a whole or a sharded table. The conv's
@@ -22,12 +26,13 @@
 >>> out_k.backward(grad_k); sync_grads(layer, mesh)
 """
 
-from .checkpoint import load_table_piece_
+from .checkpoint import load_table_piece_, save_sharded
 from .comm import Comm, as_comm
 from .dtensor import TableColwise, TableRowwise, as_mesh, dense_params, exclude_tables_from_ddp, parallelize_tables
 from .exchange import all_gather_rows, halo_exchange
 from .launch import spawn
 from .partition import HaloPlan, even_bounds, fragments, halo_plan, shard_range
+from .row_update import optimizer_comm
 from .sequence import EXCHANGES, sp_dilated_causal_conv, sp_forward, sync_grads
 from .serving import sp_step
 from .table import join_table_lookup, local_token_rows, shard_table_, table_placement
@@ -38,4 +43,5 @@ __all__ = [
     "sp_step",
     "TableRowwise", "TableColwise", "parallelize_tables", "shard_table_", "table_placement", "as_mesh",
     "exclude_tables_from_ddp", "dense_params", "local_token_rows", "join_table_lookup", "load_table_piece_",
+    "save_sharded", "optimizer_comm",
 ]

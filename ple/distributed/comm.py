@@ -2,7 +2,7 @@
 
 Nothing here is home-made transport: point-to-point messages go through
 ``dist.batch_isend_irecv`` and the collectives are ``all_gather_single`` /
-``all_reduce`` / ``reduce_scatter_single`` of the group's backend (NCCL on GPUs,
+``all_reduce`` / ``reduce_scatter_single`` / ``all_to_all_single`` of the group's backend (NCCL on GPUs,
 gloo on CPUs). `Comm` only wraps them so each call is counted.
 
 Bytes are counted per rank, under a category name (``"conv_halo"``,
@@ -11,7 +11,8 @@ Bytes are counted per rank, under a category name (``"conv_halo"``,
 * point to point: exactly the bytes of the tensors it sends;
 * ``all_gather`` of an ``n``-byte chunk: ``(W - 1) * n`` (its chunk reaches every other rank);
 * ``all_reduce`` of ``n`` bytes: ``2 * (W - 1) / W * n`` (ring reduce-scatter + all-gather);
-* ``reduce_scatter`` of ``n`` bytes in: ``(W - 1) / W * n``.
+* ``reduce_scatter`` of ``n`` bytes in: ``(W - 1) / W * n``;
+* ``all_to_all``: exactly the bytes of the rows it sends to other ranks.
 
 The collective counts are those of the bandwidth-optimal ring algorithms NCCL and
 gloo use for large messages; what a backend does for tiny ones may differ.
@@ -149,6 +150,17 @@ class Comm:
         out = x.new_empty((x.shape[0] // W, *x.shape[1:]))
         _reduce_scatter_single(out, x, group=self.group)
         self._count(category, (W - 1) / W * _nbytes(x))
+        return out
+
+    def all_to_all(self, x: torch.Tensor, send_rows: list[int], recv_rows: list[int], category: str) -> torch.Tensor:
+        """Rows of ``x`` to every rank: the first ``send_rows[0]`` to rank 0, the next ``send_rows[1]`` to rank 1,
+        ...; returns what the ranks sent here, concatenated in rank order (``recv_rows[r]`` rows from rank r).
+        Counts the rows sent to other ranks (those kept by this rank cross no wire)."""
+        x = x.contiguous()
+        out = x.new_empty((sum(recv_rows), *x.shape[1:]))
+        dist.all_to_all_single(out, x, recv_rows, send_rows, group=self.group)
+        row = _nbytes(x[:1]) if x.shape[0] else 0
+        self._count(category, (sum(send_rows) - send_rows[self.rank]) * row)
         return out
 
     def all_reduce_sum_ints(self, values: list[int], category: str = "control") -> list[int]:

@@ -4,7 +4,7 @@ There is one sharded table. `shard_table_` (what the ``ParallelStyle`` s ``Table
 ``TableColwise`` of ``ple.distributed.dtensor`` apply) turns a layer's `DenseTable` or
 `QuantizedTable` into it in place: the module keeps its class and its state-dict keys, its
 ``weight`` becomes a DTensor of the table's own dtype (a Parameter for a float table, a
-buffer for an FP8 / int8 one) and its ``weight_scale`` goes with it:
+buffer for an FP8 / int8 / NF4 one) and its ``weight_scale`` goes with it:
 
 =============  ===============================  ==================================================
 placement      ``weight``                       ``weight_scale``
@@ -14,6 +14,11 @@ placement      ``weight``                       ``weight_scale``
 ``"col"``      ``Shard(1)``: every row, rank    replicated (every rank needs every row's scale)
                k's columns
 =============  ===============================  ==================================================
+
+An NF4 table (uint8 ``[rows, D/2 + 4]``, each row its packed codes and float16 scale, no
+``weight_scale``) is sharded by rows only: rank k holds whole packed rows, `shard_range` (k)
+of them. Its columns are not values (a byte holds two codes, and the scale sits at the row's
+end), so ``placement="col"`` is a ``ValueError``.
 
 Rows are split by `shard_range`, the checkpoint layout's rule (``ceil(rows / W)`` a rank, the
 last ranks possibly fewer or none), whichever entry point built the table: a rank's piece of
@@ -32,9 +37,14 @@ Its lookup is ``Table.rows(ids, dtype, ops=...)`` (``ple.table`` dispatches a DT
   or exchanged all-to-all (``Shard(2) -> Shard(0)``).
 
 A quantized table's rows travel in its own width (one byte an element) and are dequantized
-after the collective, ``(q.float() * scale).to(dtype)``, as the whole table does. Autograd
-through every collective is DTensor's; a float table's gradient is a DTensor of the same
-placement holding each rank's piece only.
+after the collective, ``(q.float() * scale).to(dtype)``, as the whole table does. An NF4
+table's packed rows travel as they are stored, ``D/2 + 4`` bytes a row (84 at D = 160,
+against 320 for a bfloat16 row of values): each rank fills the rows it does not own with
+zero bytes, the byte-wise sum (uint8, no carry: every other rank adds 0) is the owner's row,
+bit for bit, and only then are the rows unpacked, by the table's own unpacker (the backend's
+``nf4_dequantize_rows`` or ``ple.quant.dequantize_rows``), as the whole table unpacks them.
+Autograd through every collective is DTensor's; a float table's gradient is a DTensor of the
+same placement holding each rank's piece only.
 
 With tokens split across ranks (``input_layouts=Shard(0)``, or `local_token_rows` directly),
 the ranks' hash ids are all-gathered first (padded to the largest count with ``-1``, owned by
@@ -129,15 +139,18 @@ def shard_table_(table: nn.Module, mesh: DeviceMesh, placement: str = "row", *, 
     ``distribute_tensor`` (rank 0's table is scattered; None: every rank slices its own
     copy). A table on the ``meta`` device is never made whole: each rank creates its piece
     (a float table normal(0, 1), as the model initialises it; a quantized one zeros, scales
-    one), to be filled by ``load_table_piece_``. Returns ``table``.
+    one; an NF4 one zero bytes, rows of scale 0), to be filled by ``load_table_piece_``.
+    An NF4 table is sharded by rows only (its packed rows are not columns of values): with
+    ``placement="col"`` a ``ValueError`` naming ``placement``. Returns ``table``.
     """
     if not isinstance(table, Table) or not isinstance(getattr(table, "weight", None), torch.Tensor):
         raise TypeError(f"module: expected the layer's table (ple_embedding.ngram_embedding, a ple.table.Table), "
                         f"got {type(table).__name__}")
-    if table.weight.dtype == torch.uint8:
-        raise ValueError("table: an NF4 table (packed uint8 rows) is not sharded yet (docs/spec.md section 13)")
     if placement not in PLACEMENTS:
         raise ValueError(f"placement: expected one of {PLACEMENTS}, got {placement!r}")
+    if table._packed and placement != "row":
+        raise ValueError(f"placement: an NF4 table's rows are packed (codes and scale in D/2 + 4 bytes); shard it "
+                         f"by rows (placement='row'), got {placement!r}")
     if reduce not in _REDUCES:
         raise ValueError(f"reduce: expected 'mean' or 'sum', got {reduce!r}")
     if mesh.ndim != 1:
@@ -182,7 +195,8 @@ def _row_part(table, ids: torch.Tensor, ops) -> torch.Tensor:
 
     A float table: its rows (autograd reaches them), ``-0.0`` where another rank owns the row.
     A quantized table: the rows' bytes (uint8) and, with per-row scales, the scale's four
-    bytes after them (``width = D + 4``); zeros where another rank owns the row.
+    bytes after them (``width = D + 4``); zeros where another rank owns the row. An NF4
+    table: its packed rows as stored (``width = D/2 + 4``), zeros where another rank owns the row.
     """
     w, scale = table.weight.to_local(), table.scale
     per_row = scale is not None and scale.dim() == 2
@@ -195,11 +209,12 @@ def _row_part(table, ids: torch.Tensor, ops) -> torch.Tensor:
         owned, safe = _owned(table, w.shape[0], ids)
         rows = ops.embedding_lookup(w, safe, validate=False).reshape(n, NH, D)
         return torch.where(owned[..., None], rows, fill)
-    width = D + (4 if per_row else 0)
+    stored = w.shape[1]                                                   # D, or D/2 + 4 for NF4's packed rows
+    width = stored + (4 if per_row else 0)
     if w.shape[0] == 0:
         return torch.zeros((n, NH, width), dtype=torch.uint8, device=w.device)
     owned, safe = _owned(table, w.shape[0], ids)
-    rows = ops.embedding_lookup(_bytes(w), safe, validate=False).reshape(n, NH, D)
+    rows = ops.embedding_lookup(_bytes(w), safe, validate=False).reshape(n, NH, stored)
     if per_row:
         s = scale.to_local().view(torch.uint8)                            # [rows_k, 4]: the float32's bytes
         rows = torch.cat([rows, ops.embedding_lookup(s, safe, validate=False).reshape(n, NH, 4)], dim=2)
@@ -237,6 +252,8 @@ def _finish(table, got: torch.Tensor, ids: torch.Tensor, dtype, ops) -> torch.Te
     if not table.quantized:
         return got.reshape(T, NH * D).to(dtype or got.dtype)
     dtype = dtype or torch.get_default_dtype()
+    if table._packed:                          # NF4: the packed rows came whole, each with its scale; unpack them
+        return table._values_on(ops, got.reshape(T, NH * got.shape[2]), None, dtype)
     q = got[..., :D].contiguous().view(table.weight.dtype).reshape(T, NH * D)
     scale = table.scale.to_local()
     if scale.dim() == 2 and table_placement(table) == "row":             # the scale's bytes came with the row
@@ -339,8 +356,6 @@ def join_table_lookup(layer: PLELayer) -> None:
     where the others call ``layer.step`` (or ``layer(...)``).
     """
     table = layer.table
-    if table.weight.dtype == torch.uint8:
-        raise ValueError("layer: its table is NF4, which is not sharded yet (docs/spec.md section 13)")
     if getattr(table, "dtensor_tokens", None) != "sharded":
         raise ValueError("layer: its table is not a DTensor with per-rank tokens (input_layouts=Shard(0)); "
                          "with replicated tokens every rank runs every step")

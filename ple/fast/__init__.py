@@ -2,7 +2,8 @@
 
 One module per part, mirroring the reference: ``hashing``, ``embedding``, ``gate``,
 ``conv`` (the serving step; its fused decode / spec kernel in ``conv_decode``),
-``training_conv`` and ``prefill`` (gate + conv + adds of whole requests in one pass). Each
+``training_conv``, ``prefill`` (gate + conv + adds of whole requests in one pass) and
+``table_update`` (the row optimizers' step, ``ple.optim``). Each
 holds, in this order, its kernels, their launchers and the op's registration with
 ``torch.library`` (``torch.ops.ple.*``, through ``_library.register``) so ``torch.compile`` traces the
 layer without graph breaks. The public functions take the signature and docstring of
@@ -21,8 +22,9 @@ from ..reference.hashing import HashParams, hash_params, splitmix64
 from .conv import export_conv_checkpoints, ple_conv
 from .embedding import embedding_lookup
 from .gate import ple_gate
-from .hashing import ngram_embedding, ngram_ids
+from .hashing import ngram_embedding, ngram_embedding_nf4, ngram_ids
 from .prefill import ple_prefill, prefill_conv_inputs
+from .table_update import table_update
 from .training_conv import dilated_causal_conv
 
 __all__ = [
@@ -31,6 +33,8 @@ __all__ = [
     "ple_prefill",      # gate, mask, conv, silu and both residual adds in one pass (reference: their composition)
     "ngram_embedding",  # hash + gather in one kernel (reference: their composition)
     "prefill_conv_inputs",  # the conv inputs ple_prefill's state kernel writes (the serving replay's oracle)
+    "ngram_embedding_nf4",  # not an op: hash, gather and unpack of an NF4 table's rows in one kernel
+    "table_update",     # one row-wise optimizer step on the rows a step looked up (ple.optim, section 11)
 ]
 
 FUSED_KV_PROJECTION = True

@@ -24,10 +24,11 @@ from .files import Checkpoint, TensorInfo
 from .inspect import format_inspect, inspect
 from .layout import MODEL_PREFIX, LayerPlan, find_layers, model_prefix, plan_layer, shard_rows
 from .load import LoadReport, load_layer, load_layers, read_table, read_table_rows, resolve_config
+from .optim_state import load_optimizer
 from .save import save
 
 __all__ = [
     "Checkpoint", "TensorInfo", "inspect", "format_inspect", "MODEL_PREFIX", "LayerPlan", "find_layers",
     "model_prefix", "plan_layer", "shard_rows", "LoadReport", "load_layer", "load_layers", "read_table",
-    "read_table_rows", "resolve_config", "convert", "save", "DiskTable",
+    "read_table_rows", "resolve_config", "convert", "save", "DiskTable", "load_optimizer",
 ]

@@ -12,9 +12,10 @@ from __future__ import annotations
 import functools
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -38,6 +39,7 @@ from .layout import (
     shard_rows,
 )
 from .load import BLOCK_BYTES, CONFIG_METADATA_KEY, table_blocks
+from .optim_state import OPTIMIZER_DIR, optimizer_entries, write_optimizer
 from .policy import mark_config, mark_metadata, refuse_unless_ple_only, transformers_problems
 
 if TYPE_CHECKING:
@@ -243,7 +245,7 @@ def write_checkpoint(path: Path, single: bool, entries: list[Entry], *, metadata
 def save(layers: PLELayer | list[PLELayer] | tuple[PLELayer, ...], path: str | os.PathLike[str], *,
          prefix: str | None = None, parts: int | None = None, merged_kv: bool = False,
          table_dtype: TableDtype = None, max_file_bytes: int | None = None, block_bytes: int = BLOCK_BYTES,
-         overwrite: bool = False, ple_only: bool = False) -> list[Path]:
+         overwrite: bool = False, ple_only: bool = False, optimizer: Any = None) -> list[Path]:
     """Save one PLE layer or several (one config) in the model's layout; returns the files written.
 
     ``path``: a ``.safetensors`` file, or a directory that gets ``model.safetensors``, or
@@ -265,6 +267,11 @@ def save(layers: PLELayer | list[PLELayer] | tuple[PLELayer, ...], path: str | o
     quantized table or a merged ``kv_proj`` wrong (``ple.io.policy``): those are a
     ``ValueError`` unless ``ple_only=True``, which writes them with ``"ple_only"`` (the
     reasons) in ``config.json`` and ``ple.only`` in each file's metadata, as `inspect` reports.
+
+    ``optimizer``: a ``ple.optim`` optimizer training these layers' tables (all of them, and no
+    other): its state is written beside the table, in ``path/optimizer/`` in the table's shard
+    layout (``ple.io.optim_state``; transformers and `load_layer` ignore it), for
+    ``ple.io.load_optimizer``. Needs a directory ``path``.
     """
     layers = list(layers) if isinstance(layers, (list, tuple)) else [layers]
     if not layers:
@@ -274,6 +281,9 @@ def save(layers: PLELayer | list[PLELayer] | tuple[PLELayer, ...], path: str | o
         raise ValueError("layers: expected layers of one config")
     parts = cfg.split_ngram_parts if parts is None else _checks.int_arg("parts", parts, minimum=0)
     _checks.int_arg("block_bytes", block_bytes, minimum=1)
+    if any(la.table.is_dtensor for la in layers):
+        raise ValueError("layers: a sharded (DTensor) table is saved piece by piece on every rank with "
+                         "ple.distributed.save_sharded(layers, path, optimizer=...)")
     for la in layers:
         if la.table.weight.device.type == "meta":              # e.g. a DiskTable: its values are in its files
             raise ValueError(f"layers: a table whose values are not in memory ({type(la.table).__name__}) is "
@@ -289,6 +299,11 @@ def save(layers: PLELayer | list[PLELayer] | tuple[PLELayer, ...], path: str | o
     if len(set(prefixes)) != len(prefixes):
         raise ValueError(f"prefix: {template!r} gives the same prefix to several layers; use {{i}} or "
                          f"{{index}}")
+    if optimizer is not None:
+        if str(path).endswith(".safetensors"):
+            raise ValueError("optimizer: its state is saved in the checkpoint directory's optimizer/ folder; pass "
+                             "a directory path")
+        optim_entries, optim_meta = optimizer_entries(optimizer, layers, prefixes, parts)
     path, single = prepare_dst(path, overwrite)
     entries = []
     with torch.no_grad():
@@ -296,5 +311,10 @@ def save(layers: PLELayer | list[PLELayer] | tuple[PLELayer, ...], path: str | o
             entries += _layer_entries(layer, pfx, parts=parts, merged_kv=merged_kv, table_dtype=table_dtype,
                                       block_bytes=block_bytes)
     meta = mark_metadata({"format": "pt", CONFIG_METADATA_KEY: json.dumps(cfg.to_dict())}, problems)
-    return write_checkpoint(path, single, entries, metadata=meta, max_file_bytes=max_file_bytes, config=cfg,
-                            problems=problems)
+    files = write_checkpoint(path, single, entries, metadata=meta, max_file_bytes=max_file_bytes, config=cfg,
+                             problems=problems)
+    if optimizer is not None:
+        files += write_optimizer(path, optim_entries, optim_meta, max_file_bytes)
+    elif not single and (path / OPTIMIZER_DIR).is_dir():         # an older save's state is not this one's
+        shutil.rmtree(path / OPTIMIZER_DIR)
+    return files

@@ -29,7 +29,7 @@ from .._progress import byte_bar
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-__all__ = ["INDEX_NAME", "ST_DTYPES", "Entry", "write_file", "write_files", "bytes_of"]
+__all__ = ["INDEX_NAME", "ST_DTYPES", "Entry", "write_file", "write_files", "bytes_of", "fsync_dir"]
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -81,8 +81,8 @@ def _write_tensor(fh: IO[bytes], t: torch.Tensor) -> int:
 def write_file(path: str | os.PathLike[str], entries: list[Entry], metadata: dict[str, str] | None = None) -> None:
     """Write ``entries`` as one safetensors file, streaming each tensor block by block.
 
-    The file is written to ``path + ".tmp"`` and renamed when complete, so an
-    interrupted write never leaves a readable half file at ``path``.
+    The file is written to ``path + ".tmp"``, flushed to disk (fsync) and renamed when complete
+    (the directory fsynced too), so an interrupted write never leaves a readable half file at ``path``.
     """
     path = Path(path)
     header: dict[str, Any] = {}
@@ -114,12 +114,29 @@ def write_file(path: str | os.PathLike[str], entries: list[Entry], metadata: dic
                 if written != e.nbytes:
                     raise ValueError(f"{e.key}: the producer gave {written} bytes, expected {e.nbytes} "
                                      f"for shape {list(e.shape)}")
+            fh.flush()
+            os.fsync(fh.fileno())                          # the bytes are on disk before the name points at them
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     finally:
         bar.close()
     os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(directory: str | os.PathLike[str]) -> None:
+    """Make a rename in ``directory`` durable (fsync the directory; a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def write_files(directory: str | os.PathLike[str], entries: list[Entry], *, max_file_bytes: int | None = None,

@@ -36,6 +36,7 @@ from .embedding import embedding_lookup, nf4_dequantize_rows, ngram_embedding
 from .gate import grouped_rms_norm, ple_gate
 from .hashing import HashParams, hash_params, ngram_ids, splitmix64
 from .prefill import ple_prefill
+from .table_update import table_update
 from .training_conv import dilated_causal_conv
 
 __all__ = [
@@ -44,4 +45,5 @@ __all__ = [
     "ngram_embedding",  # the composition ngram_ids -> embedding_lookup, as one op (ple.fast fuses it)
     "ple_prefill",      # the composition gate -> mask -> conv -> adds, as one op (ple.fast fuses it)
     "nf4_dequantize_rows",  # not an op: NF4 rows to values, as docs/spec.md section 13 states it
+    "table_update",     # one row-wise optimizer step on the rows a step looked up (ple.optim, section 11)
 ]

@@ -2,9 +2,12 @@
 
 The object is imported (``MODULE`` is a dotted module name importable from the current directory,
 or a path to a ``.py`` file; ``ATTR`` a dotted attribute of it: a namespace, a class instance, ...).
-For every op of ``ple.backends.OP_NAMES`` it has, ``ple.testing.check_<op>`` runs against the
-reference; then ``check_layer`` if it has all of them (``--ops`` picks a subset, ``layer`` included).
-Each line says the op, the calls of the user's functions the cases made, the time, and ``ok`` or ``FAIL`` with
+For every op of ``ple.backends.OP_NAMES`` it has, and ``table_update`` (the row optimizers' op, which the
+layer does not call), ``ple.testing.check_<op>`` runs against the reference; then ``check_layer`` if it
+has every op of ``OP_NAMES`` (``--ops`` picks a subset, ``layer`` included).
+Each line says the op, the calls of the user's functions the cases made, the time, for the two lookups
+(``embedding_lookup``, ``ngram_embedding``) the tables their cases gathered (float dtypes, then the
+quantized schemes: ``fp8``, ``int8``, ``nf4``; ``--schemes`` picks them), and ``ok`` or ``FAIL`` with
 the first line of the failure and its smallest case. Exit 0 when all pass, 1 on a failure, 2 on a
 usage error (one ``error:`` line).
 """
@@ -26,6 +29,10 @@ __all__ = ["register", "run_checks", "load_object"]
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float64": "float64", "fp64": "float64", "float16": "float16", "fp16": "float16"}
+
+
+_OTHER_OPS = ("table_update",)
+"""Ops the kit checks beside ``OP_NAMES``: backend ops the layer itself does not call (the row optimizers')."""
 
 
 class UsageError(Exception):
@@ -95,24 +102,39 @@ def _options(check: Callable[..., Any], opts: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in opts.items() if v is not None and k in params}
 
 
+def _tables(check: Callable[..., Any], opts: dict[str, Any]) -> str:
+    """What a lookup check's tables were (``"[tables: float32, bfloat16, fp8, int8, nf4]  "``); "" for the
+    checks without quantized tables."""
+    params = inspect.signature(check).parameters
+    if "schemes" not in params:
+        return ""
+    dtypes = opts["dtypes"] if opts.get("dtypes") is not None else params["dtypes"].default
+    schemes = opts["schemes"] if opts.get("schemes") is not None else params["schemes"].default
+    names = [str(d).replace("torch.", "") for d in dtypes] + list(schemes)
+    return f"[tables: {', '.join(names)}]  "
+
+
 def run_checks(obj: object, *, ops: list[str] | None = None, max_examples: int | None = None,
-               dtypes: list[str] | None = None, seed: int = 0, out: IO[str] | None = None) -> int:
+               dtypes: list[str] | None = None, seed: int = 0, out: IO[str] | None = None,
+               schemes: list[str] | None = None) -> int:
     """Run the kit's checks on ``obj``; print one line per op to ``out`` (default stdout); return the exit
-    status (0 or 1)."""
+    status (0 or 1). ``schemes``: the quantized tables of the lookup checks (``[]``: float tables only;
+    None: each check's own, all of ``fp8``, ``int8``, ``nf4``)."""
     out = sys.stdout if out is None else out
     import torch
 
     from .. import testing
     from ..backends import OP_NAMES
 
-    have = [n for n in OP_NAMES if callable(getattr(obj, n, None))]
-    wanted = list(OP_NAMES) + ["layer"] if ops is None else ops
-    unknown = [n for n in wanted if n not in OP_NAMES and n != "layer"]
+    names = list(dict.fromkeys((*OP_NAMES, *_OTHER_OPS)))
+    have = [n for n in names if callable(getattr(obj, n, None))]
+    wanted = names + ["layer"] if ops is None else ops
+    unknown = [n for n in wanted if n not in names and n != "layer"]
     if unknown:
-        raise UsageError(f"--ops: unknown op(s) {', '.join(unknown)}; expected names of {', '.join(OP_NAMES)}, "
+        raise UsageError(f"--ops: unknown op(s) {', '.join(unknown)}; expected names of {', '.join(names)}, "
                          f"or layer")
     selected = [n for n in wanted if n in have]
-    run_layer = "layer" in wanted and len(have) == len(OP_NAMES)
+    run_layer = "layer" in wanted and all(n in have for n in OP_NAMES)
     if ops is not None:
         missing = [n for n in wanted if n != "layer" and n not in have]
         if missing:
@@ -121,9 +143,9 @@ def run_checks(obj: object, *, ops: list[str] | None = None, max_examples: int |
             raise UsageError(f"--ops: layer needs every op ({', '.join(OP_NAMES)}); the object lacks "
                              f"{', '.join(n for n in OP_NAMES if n not in have)}")
     if not selected and not run_layer:
-        raise UsageError(f"MODULE: {obj!r} has none of the ops {', '.join(OP_NAMES)}")
+        raise UsageError(f"MODULE: {obj!r} has none of the ops {', '.join(names)}")
     dts = None if dtypes is None else tuple(getattr(torch, d) for d in dtypes)
-    opts = dict(max_examples=max_examples, dtypes=dts, seed=seed)
+    opts = dict(max_examples=max_examples, dtypes=dts, seed=seed, schemes=None if schemes is None else tuple(schemes))
     failed = 0
     width = max(len(n) for n in selected + ["layer"])
     for name in selected + (["layer"] if run_layer else []):
@@ -136,6 +158,7 @@ def run_checks(obj: object, *, ops: list[str] | None = None, max_examples: int |
             op = _Counted(getattr(obj, name))
             target = op
             check, calls = getattr(testing, f"check_{name}"), (lambda t=op: t.calls)
+        tables = _tables(check, opts)
         t0 = time.perf_counter()
         try:
             check(target, **_options(check, opts))
@@ -143,11 +166,12 @@ def run_checks(obj: object, *, ops: list[str] | None = None, max_examples: int |
         except Exception as e:                      # AssertionError, or the user's op raised: a failure
             failed += 1
             status = f"FAIL: {_summary(e)}"
-        print(f"{name:<{width}}  {calls():>6} calls {time.perf_counter() - t0:6.1f} s  {status}", file=out,
+        print(f"{name:<{width}}  {calls():>6} calls {time.perf_counter() - t0:6.1f} s  {tables}{status}", file=out,
               flush=True)
-    skipped = [n for n in OP_NAMES if n not in have]
+    skipped = [n for n in names if n not in have]
     if skipped and ops is None:
-        print(f"(not checked: {', '.join(skipped)} absent; layer needs every op)", file=out)
+        layer = "; layer needs every op" if not run_layer else ""
+        print(f"(not checked: {', '.join(skipped)} absent{layer})", file=out)
     return 1 if failed else 0
 
 
@@ -162,6 +186,14 @@ def _check(args: argparse.Namespace) -> int:
                 raise UsageError(f"--dtypes: expected names of {', '.join(sorted(set(_DTYPES.values())))}, "
                                  f"got {args.dtypes!r}")
             dtypes = [_DTYPES[n] for n in names]
+        schemes = None
+        if args.schemes is not None:
+            from .kit.quantized import SCHEMES
+            schemes = [s.strip().lower() for s in args.schemes.split(",") if s.strip()]
+            schemes = [] if schemes == ["none"] else schemes
+            bad = [s for s in schemes if s not in SCHEMES]
+            if bad or not args.schemes.strip():
+                raise UsageError(f"--schemes: expected names of {', '.join(SCHEMES)}, or none; got {args.schemes!r}")
         if args.max_examples is not None and args.max_examples < 1:
             raise UsageError(f"--max-examples: expected a positive count, got {args.max_examples}")
         try:
@@ -169,7 +201,8 @@ def _check(args: argparse.Namespace) -> int:
         except ImportError:
             raise UsageError("the kit needs Hypothesis: pip install hypothesis (or -e '.[dev]')") from None
         obj = load_object(args.target)
-        return run_checks(obj, ops=ops, max_examples=args.max_examples, dtypes=dtypes, seed=args.seed)
+        return run_checks(obj, ops=ops, max_examples=args.max_examples, dtypes=dtypes, seed=args.seed,
+                          schemes=schemes)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -188,6 +221,8 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                    "(default: each check's own)")
     p.add_argument("--dtypes", default=None, help="comma-separated dtypes, e.g. float32,bfloat16 "
                    "(default: each check's own)")
+    p.add_argument("--schemes", default=None, help="comma-separated quantized tables the lookup checks "
+                   "gather besides float ones, of fp8,int8,nf4, or none (default: all three)")
     p.add_argument("--seed", type=int, default=0, help="Hypothesis seed")
     p.add_argument("--ops", default=None, help="comma-separated op names to check (and 'layer'); default: all "
                    "the object has")

@@ -4,8 +4,9 @@ The kit and the test suite build their cases on the CPU (seeded ``torch.Generato
 a GPU machine the Triton kernels run compiled and refuse CPU tensors, so to check them there each call
 is moved: every tensor argument is copied to the device (with autograd, so gradients flow back to the
 CPU leaves), the op runs, tensor results come back to the argument's device, and tensor arguments the op
-changed in place (``ple_conv``'s ``residual`` and ``conv_state``, ...) are copied back into the caller's
-tensors, views included. The bits are the op's own: a copy changes none.
+changed in place (``ple_conv``'s ``residual`` and ``conv_state``, ``table_update``'s ``weight`` and the
+tensors of its ``state`` tuple, ...) are copied back into the caller's tensors, views included. The bits are
+the op's own: a copy changes none.
 """
 
 from __future__ import annotations
@@ -36,11 +37,21 @@ def _back(x: Any, device: torch.device) -> Any:
     return x
 
 
+def _pairs(orig: Any, moved: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(a caller's tensor, its copy on the device), for every tensor argument moved, inside tuples and lists too."""
+    if isinstance(orig, torch.Tensor):
+        return [] if moved is orig else [(orig, moved)]
+    if isinstance(orig, (list, tuple)):
+        return [p for o, m in zip(orig, moved, strict=True) for p in _pairs(o, m)]
+    return []
+
+
 def on_device(fn: Callable[..., Any], device: torch.device | str) -> Callable[..., Any]:
     """``fn`` run on ``device`` for arguments on any device; see the module docstring.
 
-    Results come back to the device of the first tensor argument. Tensors the call mutates in place are
-    copied back into the caller's tensors after it returns (a version-counter check finds them).
+    Results come back to the device of the first tensor argument. Tensors the call mutates in place (an
+    argument, or one inside a tuple or list argument) are copied back into the caller's tensors after it
+    returns (a version-counter check finds them).
     """
     device = torch.device(device)
 
@@ -52,9 +63,7 @@ def on_device(fn: Callable[..., Any], device: torch.device | str) -> Callable[..
             return fn(*args, **kwargs)
         moved_args = [_moved(a, device) for a in args]
         moved_kwargs = {k: _moved(v, device) for k, v in kwargs.items()}
-        pairs = [(a, m) for a, m in zip([*args, *kwargs.values()], [*moved_args, *moved_kwargs.values()],
-                                        strict=True)
-                 if isinstance(a, torch.Tensor) and m is not a]
+        pairs = _pairs([*args, *kwargs.values()], [*moved_args, *moved_kwargs.values()])
         versions = [m._version for _, m in pairs]
         out = fn(*moved_args, **moved_kwargs)
         with torch.no_grad():

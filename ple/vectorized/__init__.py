@@ -63,9 +63,11 @@ from .embedding import embedding_lookup, ngram_embedding
 from .gate import ple_gate
 from .hashing import ngram_ids
 from .prefill import ple_prefill
+from .table_update import table_update
 from .training_conv import dilated_causal_conv
 
 __all__ = [
     "HashParams", "hash_params", "splitmix64", "ngram_ids", "embedding_lookup", "ngram_embedding",
     "grouped_rms_norm", "ple_gate", "ple_conv", "export_conv_checkpoints", "dilated_causal_conv", "ple_prefill",
+    "table_update",
 ]

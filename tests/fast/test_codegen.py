@@ -50,7 +50,8 @@ def test_codegen_report_meets_the_goals(tmp_path):
     assert rep["target"] == "cuda sm_90" and not rep["smoke"]
     rows = rep["rows"]
     assert {r["op"] for r in rows} == {"ple_conv", "export", "embedding_lookup", "ngram_ids", "ngram_embedding",
-                                       "ple_prefill", "ple_gate", "dilated_causal_conv"}, rows
+                                       "ngram_embedding_nf4", "table_update", "ple_prefill", "ple_gate",
+                                       "dilated_causal_conv"}, rows
     assert all(r["compiled"] for r in rows), [r for r in rows if not r["compiled"]]
     keys = ("regs", "stack", "shared", "num_warps", "ctas_per_sm", "ld128_share", "st128_share", "grid", "tokens",
             "bytes_per_token", "min_bytes_per_token", "local_insts")

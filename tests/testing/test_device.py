@@ -39,3 +39,16 @@ def test_gradients_reach_the_cpu_leaves():
     ple.reference.dilated_causal_conv(x2, w2, dilation=1).sum().backward()
     torch.testing.assert_close(x.grad, x2.grad)
     torch.testing.assert_close(w.grad, w2.grad)
+
+
+def test_tensors_inside_a_tuple_changed_in_place_come_back():
+    """``table_update``'s ``state`` is a tuple of tensors it updates in place: they are written back too."""
+    g = torch.Generator().manual_seed(0)
+    weight, grad = torch.randn(5, 3, generator=g), torch.randn(4, 3, generator=g)
+    ids = torch.tensor([4, 0, 4, 2])
+    state = (torch.zeros(5, 3), torch.zeros(5))
+    want_w, want_s = weight.clone(), tuple(s.clone() for s in state)
+    ple.reference.table_update(want_w, ids, grad, want_s, rule="adam", lr=0.1)
+    on_device(ple.reference.table_update, "cuda")(weight, ids, grad, state, rule="adam", lr=0.1)
+    assert weight.device.type == "cpu" and torch.equal(weight, want_w)
+    assert all(torch.equal(a, b) for a, b in zip(state, want_s, strict=True)) and state[1].any()

@@ -5,15 +5,18 @@ Hypothesis property against the reference and returns quietly, or raises ``Asser
 naming the smallest failing case and the first wrong element: one per op of
 ``ple.backends.OP_NAMES`` (``check_ngram_ids``, ``check_embedding_lookup``,
 ``check_ngram_embedding``, ``check_ple_gate``, ``check_ple_conv``,
-``check_export_conv_checkpoints``, ``check_dilated_causal_conv``, ``check_ple_prefill``).
+``check_export_conv_checkpoints``, ``check_dilated_causal_conv``, ``check_ple_prefill``), and
+``check_table_update`` for the row optimizers' op (judged against a float64 oracle; the layer does not call it).
 ``check_layer(ops)`` checks ``PLELayer(config, ops=ops)`` whole (forward, gradients, a serving
 replay with prefill-only and mixed steps). ``poisoned_empty`` is the NaN-poisoning context
 manager the checks run the function under. All are usable inside your own pytest tests.
 
 Modules: ``ops`` (hashing, lookups, the gate, the training conv), ``conv`` (the serving conv
 and checkpoints), ``prefill`` (the fused prefill), ``layer``; ``cases`` (the tensors the checks
-build their cases from, for tests that draw cases of their own); ``_report`` (the comparisons
-and failure messages).
+build their cases from, for tests that draw cases of their own); ``quantized`` (the FP8, int8
+and NF4 tables the lookup checks gather, and how their rows are judged); ``update`` (the row
+optimizers' step, its float64 ``oracle`` and ``assert_near_oracle``); ``_report`` (the comparisons and
+failure messages).
 """
 
 from ._report import poisoned_empty
@@ -27,7 +30,8 @@ from .ops import (
     check_ple_gate,
 )
 from .prefill import check_ple_prefill
+from .update import check_table_update
 
 __all__ = ["check_ngram_ids", "check_embedding_lookup", "check_ngram_embedding", "check_ple_gate", "check_ple_conv",
            "check_export_conv_checkpoints", "check_dilated_causal_conv", "check_ple_prefill", "check_layer",
-           "poisoned_empty"]
+           "check_table_update", "poisoned_empty"]

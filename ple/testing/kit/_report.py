@@ -44,6 +44,8 @@ def _value(t: torch.Tensor, idx: tuple) -> str:
     if t.dtype.is_floating_point:
         bits = int(v.reshape(1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).item())
         return f"{v.item():.9g} (0x{bits & ((1 << 8 * t.element_size()) - 1):0{2 * t.element_size()}x})"
+    if t.element_size() == 1 and t.dtype != torch.bool:                    # a byte of a quantized row
+        return f"{v.item()} (0x{int(v.item()) & 0xFF:02x})"
     return str(v.item())
 
 
@@ -128,15 +130,18 @@ def _poison(t: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         if t.dtype.is_floating_point:
             t.fill_(float("nan"))
-        elif t.dtype in (torch.int32, torch.int64):
+        elif t.dtype in (torch.int32, torch.int64, torch.int8):
             t.fill_(-7)
+        elif t.dtype == torch.uint8:
+            t.fill_(0xF9)                    # -7's byte: a quantized row byte never written shows
     return t
 
 
 @contextlib.contextmanager
 def poisoned_empty() -> Iterator[None]:
-    """While inside, ``torch.empty`` / ``torch.empty_like`` return NaN-filled floats (integers: -7), so an
-    element a kernel never writes shows up as a mismatch. Restores both on exit."""
+    """While inside, ``torch.empty`` / ``torch.empty_like`` return NaN-filled floats (int64, int32 and
+    int8: -7; uint8, the bytes of a quantized table's rows: ``0xF9``), so an element a kernel never writes
+    shows up as a mismatch. Restores both on exit."""
     saved = torch.empty, torch.empty_like
     torch.empty = lambda *a, **k: _poison(_real_empty(*a, **k))
     torch.empty_like = lambda *a, **k: _poison(_real_empty_like(*a, **k))

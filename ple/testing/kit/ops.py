@@ -4,7 +4,9 @@ Each drives the user's function through a Hypothesis property against ``ple.refe
 outputs by the tolerance table (bfloat16 against a float64 reference run), integer results
 and gathered rows (``embedding_lookup``, ``ngram_embedding``: copies) bit for bit, gradients
 of every differentiable input by the same table (None, autograd not reaching an input, passes
-only where the reference's gradient is all zero).
+only where the reference's gradient is all zero). The two lookups also gather quantized tables
+(FP8 bytes, int8, NF4's packed rows; ``quantized``): the stored rows bit for bit, and the values
+they stand for, unpacked, bit for bit.
 Sizes go beyond one tile and are often odd; index tensors are int32 or int64; fresh buffers
 are NaN-poisoned while the function runs. A failure raises ``AssertionError`` naming the
 smallest case, the element (request, row, channel, head) and both values.
@@ -25,6 +27,7 @@ from ..strategies import configs, varlen_batches
 from ._report import compare_bits, compare_close, poisoned_empty, row_of
 from .cases import HALF_DTYPES, randn, to64
 from .conv import DTYPES, _seeded, _settings
+from .quantized import SCHEMES, as_schemes, check_quantized, even_dim, quantized_table
 
 __all__ = ["check_ngram_ids", "check_ngram_embedding", "check_embedding_lookup", "check_ple_gate",
            "check_dilated_causal_conv"]
@@ -89,28 +92,43 @@ def check_ngram_ids(fn: Callable[..., Any], *, max_examples: int = 25, max_reque
 # ---- ngram_embedding ------------------------------------------------------------------------------
 
 @st.composite
-def _ngram_embedding_cases(draw, dtypes, max_requests, max_dim):
+def _scheme(draw, schemes):
+    """None (a float table) half the time, else one of ``schemes`` (float tables only when there are none)."""
+    return draw(st.sampled_from(schemes)) if schemes and draw(st.booleans()) else None
+
+
+@st.composite
+def _ngram_embedding_cases(draw, dtypes, max_requests, max_dim, schemes):
     case = draw(_ngram_cases(max_requests))
     case.update(dtype=draw(st.sampled_from(list(dtypes))),
                 D=draw(st.one_of(st.just(None), st.integers(1, max_dim), st.sampled_from([128, 160]))),
                 extra_rows=draw(st.sampled_from([0, 0, 1, 7])), strided=draw(st.booleans()),
-                column_ids=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)))
+                column_ids=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)), scheme=draw(_scheme(schemes)))
+    if case["scheme"] is not None:
+        del case["dtype"]                 # the values are judged in every dtype of the check
+        D = case["D"] or case["config"].ngram_head_dim
+        case["D"] = even_dim(D) if case["scheme"] == "nf4" else D
     return case
 
 
 def check_ngram_embedding(fn: Callable[..., Any], *,
                           dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16, torch.float64),
-                          max_dim: int = 200,
-                          max_requests: int = 4, grad: bool = True, max_examples: int = 25,
-                          seed: int | None = 0) -> None:
+                          max_dim: int = 200, max_requests: int = 4, grad: bool = True,
+                          schemes: Sequence[str] = SCHEMES, max_examples: int = 25, seed: int | None = 0) -> None:
     """Check ``fn`` (the signature of ``ple.reference.ngram_embedding``): the ``[T, NH * D]`` rows bit for bit
     (hashing then a gather: a copy), and with ``grad`` the table's gradient by the tolerance table.
 
     Cases: varlen batches (empty requests included, EOS-heavy), with and without ``ngram_context``,
     int32 / int64 ids (sometimes a strided column), offsets and contexts, two PLE layers' hash
     parameters, table widths D from the config's to beyond a tile, tables with spare rows or a
-    strided column slice, in each of ``dtypes``.
+    strided column slice, in each of ``dtypes``, and quantized tables of each of ``schemes``
+    (``()``: none) as ``check_embedding_lookup`` gives them: ``fn`` given an NF4 table's packed uint8
+    ``[rows, D/2 + 4]`` rows (or an FP8 table's raw bytes, or an int8 table) returns the gathered
+    stored rows, ``embedding_lookup(weight, ngram_ids(...))``, bit for bit, and their values unpacked
+    in each of ``dtypes`` are the table's; no gradient.
     """
+    schemes = as_schemes(schemes)
+
     def body(case):
         c: PLEConfig = case["config"]
         params = ref.hash_params(c, case["ple_layer_index"])
@@ -122,22 +140,32 @@ def check_ngram_embedding(fn: Callable[..., Any], *,
         g = torch.Generator().manual_seed(case["seed"])
         D = case["D"] or c.ngram_head_dim
         rows = params.num_rows + case["extra_rows"]
-        weight = randn((rows, D + 2) if case["strided"] else (rows, D), case["dtype"], g)[:, :D]
         ids = torch.tensor(case["input_ids"], dtype=idt)
         if case["column_ids"]:
             ids = torch.stack([ids, torch.zeros_like(ids)], 1)[:, 0]
         heads = ref.ngram_ids(ids, params, **kw)
+        query_start_loc_list, P = case["query_start_loc"], c.heads_per_ngram
+
+        def where_head(t, h):
+            return (f"{row_of(query_start_loc_list, t)}, head {h} (n-gram {h // P + 2}, "
+                    f"table row {heads[t, h].item()})")
+        if case["scheme"] is not None:
+            table = quantized_table(case["scheme"], rows, D, g, strided=case["strided"])
+            want = ref.ngram_embedding(table.stored, ids, params, **kw)
+            with poisoned_empty():
+                got = fn(table.stored, ids, params, **kw)
+            check_quantized(got, want, table, heads, dtypes=dtypes, name="ngram_embedding", case=case,
+                            where_head=where_head)
+            return
+        weight = randn((rows, D + 2) if case["strided"] else (rows, D), case["dtype"], g)[:, :D]
         up = randn((ids.numel(), heads.shape[1] * D), case["dtype"], g)
         wrt = ["weight"] if grad else []
         (want,), gw = _grads(ref.ngram_embedding, dict(weight=weight, input_ids=ids, params=params), wrt,
                              lambda outs: (up,), **kw)
         with poisoned_empty():
             (got,), gg = _grads(fn, dict(weight=weight, input_ids=ids, params=params), wrt, lambda outs: (up,), **kw)
-        query_start_loc_list, P = case["query_start_loc"], c.heads_per_ngram
         compare_bits(got, want, name="ngram_embedding: output", case=case,
-                     where=lambda idx: f"{row_of(query_start_loc_list, idx[0])}, head {idx[1] // D} "
-                                       f"(n-gram {idx[1] // D // P + 2}, "
-                                       f"table row {heads[idx[0], idx[1] // D].item()}), column {idx[1] % D}")
+                     where=lambda idx: f"{where_head(idx[0], idx[1] // D)}, column {idx[1] % D}")
         if grad:
             exact = None
             if case["dtype"] in HALF_DTYPES:
@@ -146,25 +174,45 @@ def check_ngram_embedding(fn: Callable[..., Any], *,
                 exact = g64["weight"]
             compare_close(gg["weight"], gw["weight"], exact, name="ngram_embedding: weight gradient", case=case,
                           grad=True, where=lambda idx: f"table row {idx[0]}, column {idx[1]}")
-    _prop(_ngram_embedding_cases(dtypes, max_requests, max_dim), body, max_examples, seed)
+    _prop(_ngram_embedding_cases(dtypes, max_requests, max_dim, schemes), body, max_examples, seed)
 
 
 # ---- embedding_lookup -----------------------------------------------------------------------------
 
 @st.composite
-def _lookup_cases(draw, dtypes, max_dim):
-    return dict(rows=draw(st.integers(1, 300)), D=draw(st.one_of(st.integers(1, max_dim), st.sampled_from([128, 160]))),
+def _lookup_cases(draw, dtypes, max_dim, schemes):
+    case = dict(rows=draw(st.integers(1, 300)),
+                D=draw(st.one_of(st.integers(1, max_dim), st.sampled_from([24, 128, 160]))),
                 T=draw(st.integers(0, 70)), NH=draw(st.integers(1, 6)), dtype=draw(st.sampled_from(list(dtypes))),
                 index_dtype=draw(st.sampled_from([torch.int32, torch.int64])), repeats=draw(st.booleans()),
-                seed=draw(st.integers(0, 2**31 - 1)))
+                seed=draw(st.integers(0, 2**31 - 1)), scheme=draw(_scheme(schemes)))
+    if case["scheme"] is not None:
+        del case["dtype"]                 # the values are judged in every dtype of the check
+        case["D"] = even_dim(case["D"]) if case["scheme"] == "nf4" else case["D"]
+    return case
 
 
 def check_embedding_lookup(fn: Callable[..., Any], *, dtypes: Sequence[torch.dtype] = DTYPES, max_dim: int = 200,
-                           grad: bool = True, max_examples: int = 25, seed: int | None = 0) -> None:
+                           grad: bool = True, schemes: Sequence[str] = SCHEMES, max_examples: int = 25,
+                           seed: int | None = 0) -> None:
     """Check ``fn`` (the signature of ``ple.reference.embedding_lookup``): rows bit for bit (a gather), and
-    with ``grad`` the table's gradient (repeated ids summed) by the tolerance table."""
+    with ``grad`` the table's gradient (repeated ids summed) by the tolerance table.
+
+    Tables: float ones of each of ``dtypes``, and quantized ones of each of ``schemes`` (``"fp8"``,
+    ``"int8"``, ``"nf4"``; ``()``: float tables only), given to ``fn`` as a quantized table gathers
+    them (``ple.testing.kit.quantized``): an FP8 table's raw bytes, an int8 table and its float32
+    ``[rows, 1]`` row scales, an NF4 table's packed uint8 ``[rows, D/2 + 4]`` rows (codes, float16
+    scale, two zero bytes). Their rows must come back as copies, ``[T, NH * width]`` in the stored
+    dtype, bit for bit, and so must the values they stand for, unpacked in each of ``dtypes``
+    (NF4 by ``ple.reference.nf4_dequantize_rows``); no gradient.
+    """
+    schemes = as_schemes(schemes)
+
     def body(case):
         g = torch.Generator().manual_seed(case["seed"])
+        if case["scheme"] is not None:
+            _quantized_lookup(fn, case, g, dtypes)
+            return
         weight = randn((case["rows"], case["D"]), case["dtype"], g)
         hi = min(case["rows"], 3) if case["repeats"] else case["rows"]
         ids = torch.randint(0, hi, (case["T"], case["NH"]), generator=g).to(case["index_dtype"])
@@ -184,7 +232,20 @@ def check_embedding_lookup(fn: Callable[..., Any], *, dtypes: Sequence[torch.dty
                 exact = g64["weight"]
             compare_close(gg["weight"], gw["weight"], exact, name="embedding_lookup: weight gradient", case=case,
                           grad=True, where=lambda idx: f"table row {idx[0]}, column {idx[1]}")
-    _prop(_lookup_cases(dtypes, max_dim), body, max_examples, seed)
+    _prop(_lookup_cases(dtypes, max_dim, schemes), body, max_examples, seed)
+
+
+def _quantized_lookup(fn, case, g, dtypes):
+    """An ``embedding_lookup`` case on a quantized table: ``fn`` gathers its stored rows (and int8 scales)."""
+    table = quantized_table(case["scheme"], case["rows"], case["D"], g)
+    hi = min(case["rows"], 3) if case["repeats"] else case["rows"]
+    ids = torch.randint(0, hi, (case["T"], case["NH"]), generator=g).to(case["index_dtype"])
+    want, want_scale = table.gather(ref.embedding_lookup, ids)
+    with poisoned_empty():
+        got, got_scale = table.gather(fn, ids)
+    check_quantized(got, want, table, ids, dtypes=dtypes, name="embedding_lookup", case=case,
+                    where_head=lambda t, h: f"token {t}, head {h} (table row {ids[t, h].item()})",
+                    scales=None if want_scale is None else (got_scale, want_scale))
 
 
 # ---- ple_gate -------------------------------------------------------------------------------------
