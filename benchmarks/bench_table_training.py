@@ -13,7 +13,10 @@ frozen (``requires_grad=False``; the other parameters train with Adam) and steps
 Ways of training the table (``--modes``): ``adagrad`` (``ple.optim.RowwiseAdagrad``), ``adagrad-fused``
 (``fused=True``), ``sgd`` (``SparseSGD``), ``adam`` (``RowwiseAdam``), ``dense-adam`` (``torch.optim.Adam`` on
 the table, its dense gradient), ``sparse-adam`` (``PLELayer(sparse_table_grad=True)`` and
-``torch.optim.SparseAdam``). A mode whose state would not fit ``--memory-gib`` is skipped and said so. The
+``torch.optim.SparseAdam``), and ``grad-only``, a breakdown: the table held by ``RowwiseAdagrad`` but its step
+never taken, so the overhead is what any way of training the table pays before its update (the gradient of
+the looked-up rows, ``dE = dK Wk + dV Wv``, two GEMMs of the step's tokens by the projections, and the
+bookkeeping). A mode whose state would not fit ``--memory-gib`` is skipped and said so. The
 targets of issue 32 are checked at the end (``--check`` exits 1 if one is missed).
 
     python benchmarks/bench_table_training.py                         # 1M, 4M and 16M rows
@@ -31,7 +34,7 @@ import subprocess
 import sys
 import time
 
-MODES = ("adagrad", "adagrad-fused", "sgd", "adam", "dense-adam", "sparse-adam")
+MODES = ("adagrad", "adagrad-fused", "sgd", "adam", "dense-adam", "sparse-adam", "grad-only")
 D, NH = 160, 16
 
 
@@ -47,7 +50,7 @@ def config_for(rows: int, hidden: int):
 def state_bytes(mode: str, rows: int) -> int:
     """The memory a mode adds to the frozen layer: gradient and optimizer state."""
     table = rows * D * 4
-    return {"adagrad": rows * 4, "adagrad-fused": rows * 4, "sgd": 0, "adam": rows * (D + 1) * 4,
+    return {"adagrad": rows * 4, "adagrad-fused": rows * 4, "grad-only": rows * 4, "sgd": 0, "adam": rows * (D + 1) * 4,
             "dense-adam": 3 * table, "sparse-adam": 2 * table, "frozen": 0}[mode]
 
 
@@ -65,7 +68,7 @@ def child(args) -> dict:
     table = layer.table.weight
     dense = torch.optim.Adam(ple.optim.other_parameters(layer), lr=1e-4)
     table_opt: torch.optim.Optimizer | None = None
-    if mode in ("adagrad", "adagrad-fused"):
+    if mode in ("adagrad", "adagrad-fused", "grad-only"):
         table_opt = ple.optim.RowwiseAdagrad(layer, lr=1e-2, fused=mode == "adagrad-fused")
     elif mode == "sgd":
         table_opt = ple.optim.SparseSGD(layer, lr=1e-2)
@@ -89,7 +92,8 @@ def child(args) -> dict:
         loss = layer(hidden, ids).square().mean()
         loss.backward()
         if train_table and table_opt is not None:
-            table_opt.step()
+            if mode != "grad-only":
+                table_opt.step()
             table_opt.zero_grad()
         dense.step()
         dense.zero_grad()
@@ -177,7 +181,7 @@ def report(results: list[dict]) -> tuple[str, list[str]]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1000000,4000000,16000000", help="comma-separated table sizes (about)")
-    ap.add_argument("--modes", default="adagrad,adagrad-fused,dense-adam,sparse-adam",
+    ap.add_argument("--modes", default="adagrad,adagrad-fused,grad-only,dense-adam,sparse-adam",
                     help=f"comma-separated subset of {','.join(MODES)}")
     ap.add_argument("--hidden", type=int, default=256, help="hidden size (one stream; default 256)")
     ap.add_argument("--batch", type=int, default=4)

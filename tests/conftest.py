@@ -81,8 +81,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def poisoned_empty():
-    """Fresh buffers hold NaN (floats), -7 (int64 / int32 / int8) or 0xF9 (uint8) while the test runs: an element no kernel
-    writes shows up as a mismatch. Kernel tests use it through
+    """Fresh buffers hold NaN (floats), -7 (int64 / int32 / int8) or 0xF9 (uint8) while the test runs: an element
+    no kernel writes shows up as a mismatch. Kernel tests use it through
     ``pytestmark = pytest.mark.usefixtures("poisoned_empty")``; it is the kit's own context manager
     (``ple.testing.poisoned_empty``), so tests and the public checks poison alike."""
     from ple.testing.kit import poisoned_empty as poison

@@ -281,7 +281,7 @@ def save(layers: PLELayer | list[PLELayer] | tuple[PLELayer, ...], path: str | o
         raise ValueError("layers: expected layers of one config")
     parts = cfg.split_ngram_parts if parts is None else _checks.int_arg("parts", parts, minimum=0)
     _checks.int_arg("block_bytes", block_bytes, minimum=1)
-    if any(la.table.is_dtensor for la in layers):
+    if optimizer is None and any(la.table.is_dtensor for la in layers):     # (with one: the optimizer's message)
         raise ValueError("layers: a sharded (DTensor) table is saved piece by piece on every rank with "
                          "ple.distributed.save_sharded(layers, path, optimizer=...)")
     for la in layers:

@@ -175,8 +175,11 @@ class RowOptimizer(torch.optim.Optimizer):
         if not calls:
             return
         dev = w.device
-        ids = torch.cat([c[0].to(dev, non_blocking=True) for c in calls])
-        grad = torch.cat([c[1].to(dev, non_blocking=True) for c in calls])
+        if len(calls) == 1:                                       # one backward call: no copy
+            ids, grad = calls[0][0].to(dev, non_blocking=True), calls[0][1].to(dev, non_blocking=True)
+        else:
+            ids = torch.cat([c[0].to(dev, non_blocking=True) for c in calls])
+            grad = torch.cat([c[1].to(dev, non_blocking=True) for c in calls])
         group = self._group_of(w)
         update = update_ops(calls[-1][2], w)
         hyper: dict[str, Any] = dict(rule=self.rule, lr=group["lr"], weight_decay=group["weight_decay"],
