@@ -66,8 +66,8 @@ def _forward_inputs(config, seed):
     return hidden, ids, mask
 
 
-@pytest.mark.parametrize("backend", ["torch",
-                                     pytest.param("triton", marks=pytest.mark.interpreter)])
+@pytest.mark.parametrize("backend", ["torch",           # triton: ~20 s under the interpreter, the deep tier
+                                     pytest.param("triton", marks=[pytest.mark.interpreter, pytest.mark.deep])])
 @settings(max_examples=examples(1), deadline=None)
 @given(config=pst.configs(max_hidden=16, max_hc=3), seed=pst.seeds(), masked=st.booleans())
 def test_backend_equals_reference_bit_for_bit(backend, config, seed, masked):

@@ -161,8 +161,8 @@ def _ngram_kernel(
         # The scale: bytes D/2, D/2 + 1 (a little-endian float16), the first two bytes of word D / NIB.
         lo = tl.load(base + n_code_words * stride_w_d, mask=m2, other=0).to(tl.int32)
         if WORD == 1:
-            hi = tl.load(base + (n_code_words + 1) * stride_w_d, mask=m2, other=0).to(tl.int32)
-            bits = (lo & 0xFF) | ((hi & 0xFF) << 8)
+            hi_byte = tl.load(base + (n_code_words + 1) * stride_w_d, mask=m2, other=0).to(tl.int32)
+            bits = (lo & 0xFF) | ((hi_byte & 0xFF) << 8)
         else:
             bits = lo & 0xFFFF
         bits = tl.where(bits >= 32768, bits - 65536, bits)             # the 16 bits as int16 holds them

@@ -55,6 +55,8 @@ for dt, acc, varlen in (("*bf16", "*fp32", True), ("*fp64", "*fp64", False)):
     build(TC._dcc_dw_sum_kernel, p, dict(IS_FP64=dt == "*fp64", BLOCK=1024))
 # The other parts' kernels too (they share the bfloat16 rounding of ple.fast._numerics).
 from ple.fast import embedding as E, gate as G, hashing as H
+import importlib
+TU = importlib.import_module("ple.fast.table_update")   # (the op of that name shadows the module)
 scalars = ("eps_hi", "eps_lo", "sqrt_h")
 gate_io = dict(IS_FP64=False, IS_BF16=True, IS_FP16=False)
 gate_ptrs = lambda k: {n: "*fp32" if n in ("coef_ptr", "part_ptr") else "*bf16"  # noqa: E731
@@ -67,9 +69,19 @@ build(G._gate_bwd_kernel, gate_ptrs(G._gate_bwd_kernel), dict(gate_io, TOK=16, C
 build(G._gate_wsum_kernel, gate_ptrs(G._gate_wsum_kernel),
       dict(IS_FP64=False, WK_BF16=True, WK_FP16=False, WQ_BF16=True, WQ_FP16=False, WC_BF16=True, WC_FP16=False,
            BLOCK=1024))
-build(H._ngram_kernel, dict(ids_ptr="*i32", query_start_loc_ptr="*i32", ctx_ptr="*i64", mult_ptr="*i64",
-                            sizes_ptr="*i64", offsets_ptr="*i64", out_ptr="*i64", w_ptr="*bf16", emb_ptr="*bf16"),
-      dict(N=3, P=8, IS_VARLEN=True, HAS_CONTEXT=True, HAS_IDS_OUT=True, HAS_TABLE=True, BLOCK_T=64, BLOCK_D=128))
+ngram_ptrs = dict(ids_ptr="*i32", query_start_loc_ptr="*i32", ctx_ptr="*i64", mult_ptr="*i64", sizes_ptr="*i64",
+                  offsets_ptr="*i64", out_ptr="*i64", w_ptr="*bf16", emb_ptr="*bf16", levels_ptr="*fp32")
+build(H._ngram_kernel, ngram_ptrs, dict(N=3, P=8, IS_VARLEN=True, HAS_CONTEXT=True, HAS_IDS_OUT=True, HAS_TABLE=True,
+                                        BLOCK_T=64, BLOCK_D=128, NF4=False, WORD=1, IS_OUT_BF16=False))
+for word, w in ((4, "*i32"), (2, "*i16"), (1, "*u8")):          # NF4 rows read as words of 4, 2 or 1 bytes
+    build(H._ngram_kernel, dict(ngram_ptrs, w_ptr=w),
+          dict(N=3, P=8, IS_VARLEN=True, HAS_CONTEXT=True, HAS_IDS_OUT=False, HAS_TABLE=True, BLOCK_T=16,
+               BLOCK_D=32, NF4=True, WORD=word, IS_OUT_BF16=True))
+for rule in (0, 1, 2):                                         # table_update: sgd, adagrad, adam
+    build(TU._update_kernel, dict(w_ptr="*bf16", g_ptr="*bf16", pairs_ptr="*i64", s_ptr="*fp32", m_ptr="*fp32"),
+          dict(RULE=rule, HAS_WD=True, IS_G_BF16=True, WT=tl.bfloat16, IS_W_BF16=True, UNROLL=8, BLOCK_D=256),
+          floats=("d_count", "lr", "weight_decay", "eps", "b1", "one_minus_b1", "b2", "one_minus_b2", "correction1",
+                  "correction2"))
 build(E._lookup_fwd_kernel, dict(w_ptr="*bf16", ids_ptr="*i64", out_ptr="*bf16"), dict(BLOCK_T=32, BLOCK_D=128))
 build(E._lookup_bwd_kernel, dict(g_ptr="*bf16", ids_ptr="*i64", dw_ptr="*fp32"),
       dict(IS_FP64=False, BLOCK_T=32, BLOCK_D=128))

@@ -99,9 +99,13 @@ def _check_against_reference(case):
     assert_no_nan(st_fast[written], name="state columns the step must rewrite")
 
 
-@pytest.mark.parametrize("layout", ["wc", "cw"])
-@pytest.mark.parametrize("weight_layout", ["ck", "kc"])
-@pytest.mark.parametrize("mode", ["prefill", "decode", "spec"])
+# Prefill at the model's widths takes ~8 s a case under the interpreter: two of its four layouts in the quick tier.
+WIDE_CASES = [pytest.param(m, w, lay, marks=[pytest.mark.deep] if m == "prefill" and (w, lay) in
+                           (("kc", "wc"), ("ck", "cw")) else [])
+              for m in ("prefill", "decode", "spec") for w in ("ck", "kc") for lay in ("wc", "cw")]
+
+
+@pytest.mark.parametrize("mode,weight_layout,layout", WIDE_CASES)
 def test_ple_conv_model_widths_tiles_and_packed_taps(mode, weight_layout, layout):
     """The model's K = 4, dilation 3 in bfloat16, prefill requests longer than a time tile.
 

@@ -83,7 +83,8 @@ def ple_grads(model) -> dict[str, torch.Tensor]:
 
 
 # ---- whole sequences: logits and gradients --------------------------------------------------------------
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS[:2], pytest.param("triton", marks=[pytest.mark.interpreter,
+                                                                                 pytest.mark.deep])])
 def test_patched_logits_equal_float32_and_bfloat16_bit_for_bit(backend):
     ids, mask = batch()
     for dtype in (torch.float32, torch.bfloat16):
