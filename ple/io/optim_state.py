@@ -46,7 +46,10 @@ def _state_key(prefix: str, parts: int, k: int, name: str) -> str:
 
 
 def _names(rule: str) -> tuple[str, ...]:
-    return {"sgd": (), "adagrad": ("sum",), "adam": ("exp_avg", "exp_avg_sq")}[rule]
+    """The rule's state tensors (``ple.optim.STATE_NAMES``)."""
+    from ..optim.rowwise import STATE_NAMES
+
+    return STATE_NAMES[rule]
 
 
 def _blocks(t: torch.Tensor) -> Callable[[], Iterator[torch.Tensor]]:

@@ -15,9 +15,11 @@ if TYPE_CHECKING:
 
     from ..table import Table
 
-__all__ = ["SparseSGD", "RowwiseAdagrad", "RowwiseAdam", "RowOptimizer", "other_parameters", "update_ops"]
+__all__ = ["SparseSGD", "RowwiseAdagrad", "RowwiseAdam", "RowOptimizer", "other_parameters", "update_ops",
+           "STATE_NAMES"]
 
-_STATE_NAMES = {"sgd": (), "adagrad": ("sum",), "adam": ("exp_avg", "exp_avg_sq")}
+STATE_NAMES = {"sgd": (), "adagrad": ("sum",), "adam": ("exp_avg", "exp_avg_sq")}
+"""Each rule's state tensors, in the order ``table_update`` takes them (their shapes: ``_checks.state_shapes``)."""
 
 
 def _tables(params: Any) -> list[Table]:
@@ -143,7 +145,7 @@ class RowOptimizer(torch.optim.Optimizer):
             w = t.weight
             st = self.state[w]
             st["step"] = 0
-            for name, shape in zip(_STATE_NAMES[self.rule], _state_shapes(t, self.rule), strict=True):
+            for name, shape in zip(STATE_NAMES[self.rule], _state_shapes(t, self.rule), strict=True):
                 st[name] = torch.zeros(shape, dtype=torch.float32, device=w.device)
             t._row_sink = weakref.ref(self)
 
@@ -175,16 +177,18 @@ class RowOptimizer(torch.optim.Optimizer):
         if not calls:
             return
         dev = w.device
+        # Asynchronous only towards a GPU: a non-blocking copy to the host may be read before it has landed.
+        nb = dev.type == "cuda"
         if len(calls) == 1:                                       # one backward call: no copy
-            ids, grad = calls[0][0].to(dev, non_blocking=True), calls[0][1].to(dev, non_blocking=True)
+            ids, grad = calls[0][0].to(dev, non_blocking=nb), calls[0][1].to(dev, non_blocking=nb)
         else:
-            ids = torch.cat([c[0].to(dev, non_blocking=True) for c in calls])
-            grad = torch.cat([c[1].to(dev, non_blocking=True) for c in calls])
+            ids = torch.cat([c[0].to(dev, non_blocking=nb) for c in calls])
+            grad = torch.cat([c[1].to(dev, non_blocking=nb) for c in calls])
         group = self._group_of(w)
         update = update_ops(calls[-1][2], w)
         hyper: dict[str, Any] = dict(rule=self.rule, lr=group["lr"], weight_decay=group["weight_decay"],
                                      eps=group["eps"], betas=tuple(group["betas"]), step=max(st["step"], 1))
-        state = tuple(st[n] for n in _STATE_NAMES[self.rule])
+        state = tuple(st[n] for n in STATE_NAMES[self.rule])
         if table.is_dtensor:                 # this rank's piece and state (ple.distributed.row_update)
             _sharded_training().sharded_update(table, ids, grad, state, update, **hyper)
             return
@@ -233,7 +237,7 @@ class RowOptimizer(torch.optim.Optimizer):
             for key, w in zip(saved["params"], group["params"], strict=True):
                 st = state_dict["state"].get(key, {})
                 table = next(t for t in self._tables if t.weight is w)
-                for name, shape in zip(_STATE_NAMES[self.rule], _state_shapes(table, self.rule), strict=True):
+                for name, shape in zip(STATE_NAMES[self.rule], _state_shapes(table, self.rule), strict=True):
                     t = st.get(name)
                     if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
                         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -252,7 +256,7 @@ class RowOptimizer(torch.optim.Optimizer):
         for w, st, step in plan:
             mine = self.state[w]
             mine["step"] = step
-            for name in _STATE_NAMES[self.rule]:
+            for name in STATE_NAMES[self.rule]:
                 mine[name].copy_(cast(torch.Tensor, st[name]))
         for saved, group in zip(groups, self.param_groups, strict=True):
             for key in ("lr", "weight_decay", "eps", "betas", "initial_lr"):
