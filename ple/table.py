@@ -222,7 +222,8 @@ class Table(nn.Module):
     def _take(self, pending: Prefetch, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``(rows, row_scale)`` of a pending prefetch if it may be used for ``ids``, else None (warns)."""
         p_ids, rows, scale = pending.result()
-        if torch.is_grad_enabled() and self.weight.requires_grad and self.row_optimizer is None:
+        if torch.is_grad_enabled() and self.weight.requires_grad and self.row_optimizer is None \
+                and getattr(self, "_overlay", None) is None:
             warnings.warn("start_prefetch: the table needs a gradient here, so the prefetched rows (fetched "
                           "without autograd) were not used; looked up again", stacklevel=4)
             return None

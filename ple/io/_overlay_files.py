@@ -40,7 +40,7 @@ from .writer import ST_DTYPES, bytes_of, fsync_dir
 
 __all__ = ["MANIFEST", "LOCK", "Layout", "Segment", "DirLock", "HashIndex", "write_segment", "read_manifest",
            "write_manifest", "segment_name", "clean_leftovers", "jsonable", "differences",
-           "as_ids"]
+           "as_ids", "parse_layout"]
 
 MANIFEST = "manifest.json"
 LOCK = "overlay.lock"
@@ -389,6 +389,16 @@ def write_manifest(directory: Path, body: dict[str, Any]) -> int:
 
 def layout_of(body: dict[str, Any]) -> dict[str, Any]:
     return {k: body.get(k) for k in ("dim", "dtype", "state")}
+
+
+def parse_layout(body: dict[str, Any], path: Path) -> Layout:
+    """The `Layout` a manifest describes (``ValueError`` naming ``path`` where it describes none)."""
+    by_name = {dtype_name(dt): dt for dt in _ST_NAMES}
+    try:
+        state = {n: (tuple(s), by_name[dt]) for n, (s, dt) in body["state"].items()}
+        return Layout.of(int(body["dim"]), by_name[body["dtype"]], state)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"overlay: {path} describes no row layout ({e!r}); damaged?") from None
 
 
 def clean_leftovers(directory: Path, keep: set[str]) -> None:

@@ -40,8 +40,10 @@ Safety (``ple.io.mapped``): the files are mapped read only and never written; ea
 when mapped (header and size) and before every read (size and modification time), so a file
 truncated or changed after loading is a ``ValueError`` naming it, not a crash.
 
-A `DiskTable` has no gradient (it is served, not trained) and its ``state_dict`` holds only the
-scales: ``weight`` is a meta tensor that says the table's shape and dtype as the in-memory table's
+A `DiskTable` has no gradient tensor and its ``state_dict`` holds only the scales. It trains only through
+an overlay (``load_layer(..., overlay=DIR)``, ``ple.io.disk_train``): a row optimizer (``ple.optim``)
+writes the rows it changes, and their state, to an overlay store in DIR, and lookups read them from there;
+`flush` makes it durable. ``weight`` is a meta tensor that says the table's shape and dtype as the in-memory table's
 ``weight`` would (``[rows, D]``; NF4: uint8 ``[rows, D/2 + 4]``, with `dim` D), so anything that would
 read the values from it fails loudly, and the values stay in the files.
 """
@@ -59,7 +61,7 @@ import torch
 from .. import _checks
 from ..offload import start_gather
 from ..quant import scheme_of
-from ..table import Table, is_float_table
+from ..table import Table, is_float_table, row_grad_lookup
 from .files import Checkpoint, dtype_name, human_bytes
 from .mapped import READ_THREADS, MappedFile, TablePiece, map_view, read_rows
 from .row_cache import CACHE_WAYS, SLOT_OVERHEAD, RowCache
@@ -68,7 +70,9 @@ if TYPE_CHECKING:
     from torch.types import Device
 
     from ..backends import CustomOps
+    from .disk_train import TableOverlay
     from .layout import LayerPlan
+    from .overlay import OverlayStore
 
 __all__ = ["DiskTable", "RowCache", "DISK_CACHE_BYTES", "CACHE_WAYS", "READ_THREADS"]
 
@@ -128,6 +132,7 @@ class DiskTable(Table):
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
+        self._overlay: TableOverlay | None = None
 
     def _map_pieces(self, num_rows: int) -> None:
         """One ``[n, units]`` view per file and row alignment, covering every piece aligned that way in it.
@@ -221,11 +226,36 @@ class DiskTable(Table):
         """The row cache (None with ``cache_bytes=0``)."""
         return self._cache
 
+    @property
+    def overlay(self) -> OverlayStore | None:
+        """The store of the rows training changed (``load_layer(..., overlay=DIR)``; ``ple.io.disk_train``),
+        or None: a table served, not trained."""
+        return self._overlay.store if self._overlay is not None else None
+
+    def attach_overlay(self, overlay: TableOverlay) -> None:
+        """Train through ``overlay`` (``load_layer(..., overlay=DIR)`` calls it): the weight requires grad."""
+        self._overlay = overlay
+        self.weight.requires_grad_(True)
+
+    def flush(self) -> None:
+        """Make the overlay durable (SPEC 12): when this returns, the overlay's directory holds every update
+        so far and the row optimizer's step count and hyperparameters (for ``ple.io.load_optimizer``), and a
+        process killed at any moment after leaves it as of this flush or a later one. Lookups' gradients
+        not yet applied by ``step()`` are not in it. ``ValueError`` for a table without an overlay."""
+        if self._overlay is None:
+            raise ValueError("flush: this table has no overlay (load it with load_layer(..., offload='disk', "
+                             "overlay=DIR) to train it)")
+        owner = self.row_optimizer
+        describe = getattr(owner, "describe_table", None)
+        meta = {"optimizer": describe(self)} if describe is not None else None
+        self._overlay.flush(meta)
+
     def extra_repr(self) -> str:
         nbytes = self.num_rows * self._row_bytes
         nf4 = " (nf4)" if self._packed else ""
+        over = "" if self._overlay is None else f", overlay={str(self._overlay.store.directory)!r}"
         return (f"{self.num_rows}, {self.dim}, dtype={dtype_name(self._stored)}{nf4}, {human_bytes(nbytes)} in "
-                f"{len(self._files)} file(s), cache={human_bytes(self._cache_bytes)}")
+                f"{len(self._files)} file(s), cache={human_bytes(self._cache_bytes)}{over}")
 
     def stats(self) -> dict[str, int | float]:
         """What the lookups did since the table was made (or `reset_stats`), prefetches included.
@@ -264,12 +294,15 @@ class DiskTable(Table):
                 f.drop_page_cache()
 
     def close(self) -> None:
-        """Release the mappings and files; a lookup afterwards raises ``RuntimeError``."""
+        """Release the mappings and files (and the overlay: updates since its last `flush` are dropped); a
+        lookup afterwards raises ``RuntimeError``."""
         with self._lock:
             self._closed = True
             self._views = []
             for f in self._files:
                 f.close()
+            if self._overlay is not None:
+                self._overlay.close()
 
     # ---- lookups --------------------------------------------------------------------------------------------------
     def gather(self, ids: torch.Tensor, pin: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -390,12 +423,31 @@ class DiskTable(Table):
         """`rows` without a prefetch: gathered now, on the host, then turned into values on ``ids``'s device
         (NF4 rows unpacked by ``ops``'s unpacker where it has one, as in memory; ``ops`` gathers nothing)."""
         _checks.index("ids", ids, ndim=2)
-        cuda = ids.device.type == "cuda"
-        rows, scale = self.gather(ids.to("cpu"), cuda)                   # range-checked there, always
-        rows = rows.to(ids.device, non_blocking=cuda)
-        if scale is not None:
-            scale = scale.to(ids.device, non_blocking=cuda and scale.is_pinned())
-        return self._values_on(ops, rows, scale, dtype)
+
+        def values() -> torch.Tensor:
+            cuda = ids.device.type == "cuda"
+            rows, scale = self.gather(ids.to("cpu"), cuda)               # range-checked there, always
+            rows = rows.to(ids.device, non_blocking=cuda)
+            if scale is not None:
+                scale = scale.to(ids.device, non_blocking=cuda and scale.is_pinned())
+            return self._overlaid(ids, self._values_on(ops, rows, scale, dtype))
+
+        return row_grad_lookup(self, ids, values, ops) if self._trains_by_rows() else values()
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype, *, ops: ModuleType | CustomOps,
+             validate: bool = True) -> torch.Tensor:
+        """As ``Table.rows``; with an overlay, each row it holds replaces the base row (prefetched or not)."""
+        if self._overlay is None:
+            return super().rows(ids, dtype, ops=ops, validate=validate)
+        pending, self._pending = self._pending, None
+        got = self._take(pending, ids) if pending is not None else None
+        if got is None:
+            return self.lookup(ids, dtype, ops=ops, validate=validate)
+        values = self._overlaid(ids, self._values_on(ops, *got, dtype))
+        return row_grad_lookup(self, ids, lambda: values, ops) if self._trains_by_rows() else values
+
+    def _overlaid(self, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return values if self._overlay is None else self._overlay.overlaid(ids, values)
 
     def _values(self, rows: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         if self.quantized:                             # FP8 / int8 / NF4: as the in-memory table

@@ -9,6 +9,7 @@ layer's table, e.g. one rank's shard) share one path: `Checkpoint` reads the hea
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from ..quant import Scheme, nf4_unpack
 from ..reference.hashing import hash_params
 from ..table import QuantizedTable, Table
 from .disk import DISK_CACHE_BYTES, DiskTable
+from .disk_train import OVERLAY_BYTES, TableOverlay, base_fingerprint
 from .files import Checkpoint, dtype_name
 from .layout import (
     BUFFERS,
@@ -317,16 +319,22 @@ def _state_dict(ckpt: Checkpoint, plan: LayerPlan, *, device: torch.device, dtyp
 def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_index: int = 0, *,
                prefix: str | None = None, backend: str = "reference", device: Device = None,
                dtype: torch.dtype | None = None, offload: Offload = False, cache_bytes: int | None = None,
-               block_bytes: int = BLOCK_BYTES, return_report: Literal[False] = False) -> PLELayer: ...
+               block_bytes: int = BLOCK_BYTES, overlay: str | os.PathLike[str] | None = None,
+               overlay_bytes: int | None = None, overlay_dtype: torch.dtype | None = None,
+               return_report: Literal[False] = False) -> PLELayer: ...
 @overload
 def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_index: int = 0, *,
                prefix: str | None = None, backend: str = "reference", device: Device = None,
                dtype: torch.dtype | None = None, offload: Offload = False, cache_bytes: int | None = None,
-               block_bytes: int = BLOCK_BYTES, return_report: Literal[True]) -> tuple[PLELayer, LoadReport]: ...
+               block_bytes: int = BLOCK_BYTES, overlay: str | os.PathLike[str] | None = None,
+               overlay_bytes: int | None = None, overlay_dtype: torch.dtype | None = None,
+               return_report: Literal[True]) -> tuple[PLELayer, LoadReport]: ...
 def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_index: int = 0, *,
                prefix: str | None = None, backend: str = "reference", device: Device = None,
                dtype: torch.dtype | None = None, offload: Offload = False, cache_bytes: int | None = None,
-               block_bytes: int = BLOCK_BYTES, return_report: bool = False) -> PLELayer | tuple[PLELayer, LoadReport]:
+               block_bytes: int = BLOCK_BYTES, overlay: str | os.PathLike[str] | None = None,
+               overlay_bytes: int | None = None, overlay_dtype: torch.dtype | None = None,
+               return_report: bool = False) -> PLELayer | tuple[PLELayer, LoadReport]:
     """Load PLE layer ``ple_layer_index`` from a safetensors checkpoint.
 
     ``path``: a ``.safetensors`` file, a directory of them (with or without
@@ -358,6 +366,15 @@ def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_in
     hot rows (default ``ple.io.disk.DISK_CACHE_BYTES``, 256 MiB; 0: none): the table is a
     ``ple.io.disk.DiskTable``, whose rows are those of the in-memory table bit for bit and
     are never all read (``table.stats()`` counts what is).
+    ``overlay=DIR`` (with ``offload="disk"``): the table trains (SPEC 12, ``ple.io.disk_train``): a row
+    optimizer (``ple.optim``) writes the rows it changes, and their state, to an overlay in DIR (kept in memory
+    up to ``overlay_bytes``, default ``ple.io.disk_train.OVERLAY_BYTES``, 1 GiB; spilled to files in DIR
+    beyond it), never to the checkpoint's files; ``layer.table.flush()`` makes it durable, and an existing
+    overlay is resumed (``ple.io.load_optimizer(opt, DIR)`` for the optimizer's step count). ``overlay_dtype``:
+    of its rows (default: the table's dtype for a float table, so training equals the in-memory table's bit
+    for bit; bfloat16 for an FP8, int8 or NF4 table, whose rows are dequantized at their first update). An
+    overlay made on another base (config, files or rows) is a ``ValueError`` naming it, and one another
+    process has open is a ``RuntimeError``.
     Returns the layer, or ``(layer, LoadReport)`` with ``return_report``.
     """
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
@@ -372,6 +389,19 @@ def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_in
                              f"it (offload is {offload!r})")
         _checks.int_arg("cache_bytes", cache_bytes, minimum=0)
     _checks.int_arg("block_bytes", block_bytes, minimum=1)
+    if overlay is None and (overlay_bytes is not None or overlay_dtype is not None):
+        raise ValueError("overlay_bytes, overlay_dtype: options of a trainable disk table; pass overlay=DIR")
+    if overlay is not None:
+        if not disk:
+            raise ValueError(f"overlay: trains a table read from disk; pass offload='disk' with it (offload is "
+                             f"{offload!r})")
+        if not isinstance(overlay, (str, os.PathLike)):
+            raise TypeError(f"overlay: expected a directory path, got {type(overlay).__name__}")
+        if overlay_bytes is not None:
+            _checks.int_arg("overlay_bytes", overlay_bytes, minimum=0)
+        if overlay_dtype is not None and (not isinstance(overlay_dtype, torch.dtype)
+                                          or not overlay_dtype.is_floating_point):
+            raise TypeError(f"overlay_dtype: expected a torch float dtype, got {overlay_dtype!r}")
     ckpt, plan = _open_layer(path, config, ple_layer_index, prefix)
     cfg, pfx = plan.config, plan.prefix
     dtype = dtype or plan.model_dtype
@@ -400,6 +430,14 @@ def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_in
                          block_bytes=block_bytes, table=False)
         if table.scale is not None:
             sd[TABLE_SCALE] = table.scale                           # the table's own (read once)
+        if overlay is not None:
+            try:
+                table.attach_overlay(TableOverlay.open(
+                    table, overlay, base=base_fingerprint(ckpt, plan, table), dtype=overlay_dtype,
+                    memory_bytes=OVERLAY_BYTES if overlay_bytes is None else overlay_bytes))
+            except BaseException:
+                table.close()
+                raise
     else:
         sd = _state_dict(ckpt, plan, device=device, dtype=dtype, table_device=table_device, pin=pin,
                          block_bytes=block_bytes)
@@ -411,7 +449,14 @@ def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_in
 
 
 def load_layers(path: CheckpointSource, config: ConfigSource = None, **kwargs: Any) -> list[PLELayer]:
-    """Every PLE layer of the config, in PLE-index order (keyword arguments as for `load_layer`)."""
+    """Every PLE layer of the config, in PLE-index order (keyword arguments as for `load_layer`; with
+    ``overlay=DIR`` and several layers, layer ``i``'s overlay is ``DIR/ple_layer_{i}``)."""
     ckpt = Checkpoint.open(path)
     cfg = _require_config(ckpt, config)
-    return [load_layer(ckpt, cfg, i, **kwargs) for i in range(cfg.num_ple_layers)]
+    overlay = kwargs.pop("overlay", None)
+    several = overlay is not None and cfg.num_ple_layers > 1
+
+    def where(i: int) -> str | os.PathLike[str] | None:
+        return os.path.join(overlay, f"ple_layer_{i}") if several else overlay
+
+    return [load_layer(ckpt, cfg, i, overlay=where(i), **kwargs) for i in range(cfg.num_ple_layers)]

@@ -134,6 +134,10 @@ def load_optimizer(optimizer: Any, path: str | os.PathLike[str]) -> None:
     continues as if never stopped (``load_state_dict``'s checks: another rule, another number or size of
     tables is a ``ValueError`` naming ``state_dict`` ... and nothing is loaded).
 
+    Disk tables trained through an overlay (``load_layer(..., offload="disk", overlay=DIR)``, SPEC 12) keep
+    their rows' state in the overlay itself: ``path`` is then DIR, and what is loaded is the step count and
+    hyperparameters of the overlay's last flush.
+
     Raises:
         ValueError: ``path`` holds no optimizer state (naming ``path``), or a state that does not fit.
         TypeError: ``optimizer`` is not a ``ple.optim`` optimizer.
@@ -142,6 +146,10 @@ def load_optimizer(optimizer: Any, path: str | os.PathLike[str]) -> None:
 
     if not isinstance(optimizer, RowOptimizer):
         raise TypeError(f"optimizer: expected a ple.optim optimizer, got {type(optimizer).__name__}")
+    overlays = [getattr(t, "_overlay", None) for t in optimizer._tables]
+    if any(o is not None for o in overlays):
+        _load_from_overlays(optimizer, overlays, Path(path))
+        return
     folder = Path(path) / OPTIMIZER_DIR
     if not folder.is_dir():
         raise ValueError(f"path: {path} holds no optimizer state (no {OPTIMIZER_DIR}/ folder; save with "
@@ -169,6 +177,34 @@ def load_optimizer(optimizer: Any, path: str | os.PathLike[str]) -> None:
              "weight_decay": meta["weight_decay"], "eps": meta["eps"], "betas": tuple(meta["betas"])}
     if "initial_lr" in meta:
         group["initial_lr"] = meta["initial_lr"]
+    optimizer.load_state_dict({"state": state, "param_groups": [group]})
+
+
+def _load_from_overlays(optimizer: Any, overlays: list[Any], path: Path) -> None:
+    """Disk tables trained through overlays (``ple.io.disk_train``): the rows' state is in the overlays
+    already; the step count and hyperparameters are those their last flush kept. ``path`` is the overlay
+    directory (several tables: a folder holding all their overlays)."""
+    if any(o is None for o in overlays):
+        raise ValueError("optimizer: some of its tables train through overlays and some do not; load their "
+                         "state separately")
+    where = path.resolve()
+    metas = []
+    for o in overlays:
+        d = Path(o.store.directory).resolve()
+        if d != where and where not in d.parents:
+            raise ValueError(f"path: {path} is not the overlay of this optimizer's table ({d}); pass the "
+                             f"directory given to load_layer(..., overlay=...)")
+        saved = o.store.meta.get("optimizer") if isinstance(o.store.meta, dict) else None
+        if saved is None:
+            raise ValueError(f"path: the overlay {d} holds no optimizer state (flushed before any optimizer "
+                             f"took the table, or never flushed)")
+        metas.append(saved)
+    first = metas[0]
+    group = {"params": list(range(len(metas))), "rule": first["rule"], "lr": first["lr"],
+             "weight_decay": first["weight_decay"], "eps": first["eps"], "betas": tuple(first["betas"])}
+    if "initial_lr" in first:
+        group["initial_lr"] = first["initial_lr"]
+    state = {i: {"step": int(m["step"])} for i, m in enumerate(metas)}
     optimizer.load_state_dict({"state": state, "param_groups": [group]})
 
 

@@ -39,6 +39,7 @@ is returned: a missing, truncated or altered file is a ``ValueError`` naming it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,7 @@ class OverlayStore:
         self._n = 0                                      # entries (rows in the overlay)
         self._e_slot = torch.empty(0, dtype=torch.int64)  # entry -> memory slot, or -1
         self._e_loc = torch.empty(0, dtype=torch.int64)  # entry -> serial << 32 | row of its current value, or -1
+        self._memory_bytes = memory_bytes
         self.capacity = memory_bytes // (layout.row_bytes + SLOT_OVERHEAD)
         self._mem = {key: torch.empty((0, *shape), dtype=dt) for key, dt, shape in layout.fields}
         self._slot_id, self._slot_ent, self._slot_stamp = (torch.empty(0, dtype=torch.int64) for _ in range(3))
@@ -88,13 +90,22 @@ class OverlayStore:
 
     # ---- opening and closing ------------------------------------------------------------------------------
     @classmethod
-    def open(cls, directory: str | Path, *, base: Any, dim: int, dtype: torch.dtype = torch.bfloat16,
+    def open(cls, directory: str | os.PathLike[str], *, base: Any, dim: int | None, dtype: torch.dtype = torch.bfloat16,
              state: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None, memory_bytes: int,
              create: bool = True, readonly: bool = False) -> OverlayStore:
         """Open the overlay in ``directory``: resume its last flushed generation, or start an empty one
-        (``create``; the directory is made if absent). See the module docstring for the arguments."""
+        (``create``; the directory is made if absent). See the module docstring for the arguments;
+        ``dim=None`` takes the row layout (``dim``, ``dtype``, ``state``) the overlay was flushed with (one
+        must exist)."""
         directory = Path(directory)
-        layout = Layout.of(dim, dtype, state)
+        if dim is None:
+            found = cls.manifest(directory)
+            if found is None:
+                raise ValueError(f"overlay: {directory} holds no overlay (no {ofiles.MANIFEST}) to take the row "
+                                 f"layout from")
+            layout = ofiles.parse_layout(found, directory / ofiles.MANIFEST)
+        else:
+            layout = Layout.of(dim, dtype, state)
         base = ofiles.jsonable(base, "base")
         if isinstance(memory_bytes, bool) or not isinstance(memory_bytes, int) or memory_bytes < 0:
             raise ValueError(f"memory_bytes: expected an int >= 0, got {memory_bytes!r}")
@@ -116,6 +127,30 @@ class OverlayStore:
             store.close()
             raise
         return store
+
+    @staticmethod
+    def manifest(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
+        """The last flushed manifest of the overlay in ``directory`` (its ``generation``, ``dim``, ``dtype``,
+        ``state``, ``base``, ``meta`` and ``segments``), or None where there is none; read without the lock
+        (the switch to a new one is atomic). A damaged one is a ``ValueError`` naming it."""
+        directory = Path(directory)
+        return ofiles.read_manifest(directory) if directory.is_dir() else None
+
+    def relayout(self, state: dict[str, tuple[tuple[int, ...], torch.dtype]] | None) -> None:
+        """Change the optimizer state a row holds, while the overlay holds no row (``ValueError`` otherwise):
+        for an overlay opened before the rule that trains it was known. Takes effect at the next `flush`."""
+        self._check_open(write=True)
+        layout = Layout.of(self.layout.dim, self.layout.dtype, state)
+        if layout == self.layout:
+            return
+        if self._n:
+            raise ValueError(f"overlay: {self.directory} holds {self._n} rows with the state "
+                             f"{self.layout.describe()['state']}; it cannot take {layout.describe()['state']}")
+        self.layout = layout
+        self.capacity = self._memory_bytes // (layout.row_bytes + SLOT_OVERHEAD)
+        self._mem = {key: torch.empty((0, *shape), dtype=dt) for key, dt, shape in layout.fields}
+        self._slot_id, self._slot_ent, self._slot_stamp = (torch.empty(0, dtype=torch.int64) for _ in range(3))
+        self._used, self._free = 0, torch.empty(0, dtype=torch.int64)
 
     def _resume(self, body: dict[str, Any]) -> None:
         if ofiles.layout_of(body) != self.layout.describe():

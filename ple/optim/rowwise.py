@@ -57,9 +57,14 @@ def other_parameters(layer: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in layer.parameters() if p is not table_weight]
 
 
+def _overlay_of(table: Table) -> Any:
+    """The overlay a disk table trains through (``ple.io.disk_train.TableOverlay``), or None."""
+    return getattr(table, "_overlay", None)
+
+
 def _check_trainable(table: Table) -> None:
     w = table.weight
-    if table.quantized:
+    if table.quantized and _overlay_of(table) is None:
         what = "nf4" if w.dtype == torch.uint8 else ("fp8" if table.scale is not None and table.scale.numel() == 1
                                                       else "int8")
         raise ValueError(f"params: the table is quantized ({what}); a quantized table does not train (train a float "
@@ -101,7 +106,7 @@ def _state_shapes(table: Table, rule: str) -> tuple[tuple[int, ...], ...]:
     (``ple.distributed.row_update``)."""
     if table.is_dtensor:
         return cast("tuple[tuple[int, ...], ...]", _sharded_training().local_state_shapes(table, rule))
-    return _checks.state_shapes(rule, *table.weight.shape)
+    return _checks.state_shapes(rule, table.num_rows, table.dim)
 
 
 def update_ops(ops: ModuleType | Any, weight: torch.Tensor) -> Any:
@@ -141,18 +146,23 @@ class RowOptimizer(torch.optim.Optimizer):
         self.fused = fused
         self._tables = tables
         self._pending: dict[int, list[tuple[torch.Tensor, torch.Tensor, Any]]] = {}
+        for t in tables:                          # an overlay's rows must fit the rule: checked before any change
+            overlay = _overlay_of(t)
+            if overlay is not None:
+                overlay.attach(self.rule, STATE_NAMES[self.rule], _state_shapes(t, self.rule))
         for t in tables:
             w = t.weight
             st = self.state[w]
             st["step"] = 0
-            for name, shape in zip(STATE_NAMES[self.rule], _state_shapes(t, self.rule), strict=True):
-                st[name] = torch.zeros(shape, dtype=torch.float32, device=w.device)
+            if _overlay_of(t) is None:            # a disk table's state lives in its overlay, row by row
+                for name, shape in zip(STATE_NAMES[self.rule], _state_shapes(t, self.rule), strict=True):
+                    st[name] = torch.zeros(shape, dtype=torch.float32, device=w.device)
             t._row_sink = weakref.ref(self)
 
     # ---- what the table calls ---------------------------------------------------------------------
     def _accept(self, table: Table, ids: torch.Tensor, grad: torch.Tensor, ops: Any) -> None:
         """A lookup's backward: ``ids`` ``[T, NH]`` and the gradient of its rows ``[T, NH * D]``."""
-        D = table.weight.shape[1]
+        D = table.dim
         flat_ids, flat_grad = ids.reshape(-1), grad.reshape(-1, D)
         if table.is_dtensor:                 # what this rank keeps: its rows' lookups, or its columns of all
             flat_ids, flat_grad = _sharded_training().route_lookups(table, flat_ids, flat_grad)
@@ -176,7 +186,7 @@ class RowOptimizer(torch.optim.Optimizer):
             st["step"] += 1
         if not calls:
             return
-        dev = w.device
+        dev = w.device if _overlay_of(table) is None else torch.device("cpu")     # a disk table: on the host
         # Asynchronous only towards a GPU: a non-blocking copy to the host may be read before it has landed.
         nb = dev.type == "cuda"
         if len(calls) == 1:                                       # one backward call: no copy
@@ -185,9 +195,13 @@ class RowOptimizer(torch.optim.Optimizer):
             ids = torch.cat([c[0].to(dev, non_blocking=nb) for c in calls])
             grad = torch.cat([c[1].to(dev, non_blocking=nb) for c in calls])
         group = self._group_of(w)
-        update = update_ops(calls[-1][2], w)
         hyper: dict[str, Any] = dict(rule=self.rule, lr=group["lr"], weight_decay=group["weight_decay"],
                                      eps=group["eps"], betas=tuple(group["betas"]), step=max(st["step"], 1))
+        overlay = _overlay_of(table)
+        if overlay is not None:              # a disk table: the step's rows and state, in its overlay
+            overlay.update(ids, grad, update_ops(calls[-1][2], ids.new_empty(0, dtype=torch.float32)), hyper)
+            return
+        update = update_ops(calls[-1][2], w)
         state = tuple(st[n] for n in STATE_NAMES[self.rule])
         if table.is_dtensor:                 # this rank's piece and state (ple.distributed.row_update)
             _sharded_training().sharded_update(table, ids, grad, state, update, **hyper)
@@ -237,7 +251,8 @@ class RowOptimizer(torch.optim.Optimizer):
             for key, w in zip(saved["params"], group["params"], strict=True):
                 st = state_dict["state"].get(key, {})
                 table = next(t for t in self._tables if t.weight is w)
-                for name, shape in zip(STATE_NAMES[self.rule], _state_shapes(table, self.rule), strict=True):
+                names = () if _overlay_of(table) is not None else STATE_NAMES[self.rule]   # in the overlay
+                for name, shape in zip(names, _state_shapes(table, self.rule)[:len(names)], strict=True):
                     t = st.get(name)
                     if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
                         got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -257,11 +272,22 @@ class RowOptimizer(torch.optim.Optimizer):
             mine = self.state[w]
             mine["step"] = step
             for name in STATE_NAMES[self.rule]:
-                mine[name].copy_(cast(torch.Tensor, st[name]))
+                if name in mine:                  # not a disk table's: its state is in its overlay
+                    mine[name].copy_(cast(torch.Tensor, st[name]))
         for saved, group in zip(groups, self.param_groups, strict=True):
             for key in ("lr", "weight_decay", "eps", "betas", "initial_lr"):
                 if key in saved:
                     group[key] = tuple(saved[key]) if key == "betas" else saved[key]
+
+    def describe_table(self, table: Table) -> dict[str, Any]:
+        """What resumes ``table``'s training besides its rows' state: the rule, the step count and the group's
+        hyperparameters (JSON-able; a disk table's overlay keeps it at each flush, for ``ple.io.load_optimizer``)."""
+        group = self._group_of(table.weight)
+        out = {"rule": self.rule, "step": int(self.state[table.weight]["step"])}
+        for key in ("lr", "weight_decay", "eps", "betas", "initial_lr"):
+            if key in group:
+                out[key] = list(group[key]) if key == "betas" else float(group[key])
+        return out
 
     def __repr__(self) -> str:
         g = self.param_groups[0]

@@ -1,0 +1,158 @@
+"""Training a table read from disk: the overlay of a `DiskTable` (SPEC 12; the store is ``ple.io.overlay``).
+
+``load_layer(path, offload="disk", overlay=DIR)`` gives the `DiskTable` a `TableOverlay`: the checkpoint's
+files stay read only, and the rows a row optimizer (``ple.optim``) changes, with their optimizer state, live
+in an `~ple.io.overlay.OverlayStore` in ``DIR`` (in memory up to ``overlay_bytes``, spilled to files in DIR
+beyond it, durable at ``layer.table.flush()``).
+
+A lookup reads each row's overlay value where it has one, else the base row (through the row cache, as
+before): `TableOverlay.overlaid`. A row optimizer's step (`TableOverlay.update`) works on a compact table of
+the step's distinct rows: their current values (the overlay's, else the base row turned into the overlay's
+dtype: a quantized base row dequantized once, by the formula of its lookups) and state (the overlay's, else
+zeros), updated by the backend's ``table_update`` with the lookups renumbered into that compact table (the
+same lookups in the same order, so the same sums and roundings as on the whole table), then written back.
+With a float base and the overlay in the table's own dtype (the default) a layer trained this way has the
+bits of the same training on the in-memory table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .files import dtype_name
+from .overlay import OverlayStore
+
+if TYPE_CHECKING:
+    from .disk import DiskTable
+    from .files import Checkpoint
+    from .layout import LayerPlan
+
+__all__ = ["TableOverlay", "base_fingerprint", "OVERLAY_BYTES", "SAMPLE_ROWS"]
+
+OVERLAY_BYTES = 1 << 30
+"""Default ``overlay_bytes`` of ``load_layer(..., overlay=DIR)``: the overlay's rows kept in memory."""
+
+SAMPLE_ROWS = 257
+"""Rows (spread evenly over the table) whose bytes the base's fingerprint hashes."""
+
+
+def base_fingerprint(ckpt: Checkpoint, plan: LayerPlan, table: DiskTable) -> dict[str, Any]:
+    """What identifies the base an overlay trains: the layer's config and prefix, the table's shape and
+    dtype, its files (names and sizes) and a hash of ``SAMPLE_ROWS`` of its rows (two checkpoints of one
+    config differ there). Reads ``SAMPLE_ROWS`` rows; moving the checkpoint's folder changes nothing."""
+    n = table.num_rows
+    ids = torch.unique(torch.linspace(0, n - 1, min(SAMPLE_ROWS, n)).round().to(torch.int64))
+    sample = table._read(ids).view(torch.uint8)
+    return {"config": plan.config.to_dict(), "prefix": plan.prefix, "rows": n, "dim": table.dim,
+            "table_dtype": dtype_name(plan.table_dtype) + (" nf4" if table._packed else ""),
+            "files": sorted([Path(f).name, Path(f).stat().st_size] for f in table.files),
+            "sample_sha256": hashlib.sha256(sample.numpy().tobytes()).hexdigest()}
+
+
+def _state_layout(names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> dict[str, Any]:
+    """A rule's state as the store's ``state``: per row, the shape past the rows' axis, float32."""
+    return {name: (shape[1:], torch.float32) for name, shape in zip(names, shapes, strict=True)}
+
+
+class TableOverlay:
+    """The overlay of a trainable `DiskTable` (see the module docstring): made by `TableOverlay.open`."""
+
+    def __init__(self, table: DiskTable, store: OverlayStore) -> None:
+        self.table, self.store = table, store
+
+    @classmethod
+    def open(cls, table: DiskTable, directory: str | os.PathLike[str], *, base: dict[str, Any], memory_bytes: int,
+             dtype: torch.dtype | None) -> TableOverlay:
+        """Resume the overlay in ``directory`` or start one. ``dtype``: of the overlay's rows (default: the
+        table's value dtype for a float base, so training equals the in-memory table's; bfloat16 for a quantized
+        one); an existing overlay keeps its own, and another ``dtype`` given for it is a ``ValueError``."""
+        found = OverlayStore.manifest(directory)
+        if found is not None:
+            if dtype is not None and dtype_name(dtype) != found.get("dtype"):
+                raise ValueError(f"overlay_dtype: the overlay in {directory} holds {found.get('dtype')} rows, "
+                                 f"not {dtype_name(dtype)} (leave overlay_dtype out to resume it)")
+            store = OverlayStore.open(directory, base=base, dim=None, memory_bytes=memory_bytes)
+            if store.layout.dim != table.dim:
+                store.close()
+                raise ValueError(f"overlay: {directory} holds rows of {store.layout.dim} values, the table's have "
+                                 f"{table.dim}")
+        else:
+            if dtype is None:
+                dtype = torch.bfloat16 if table.quantized else table.weight.dtype
+            store = OverlayStore.open(directory, base=base, dim=table.dim, dtype=dtype, memory_bytes=memory_bytes)
+        return cls(table, store)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the overlay's rows."""
+        return self.store.layout.dtype
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return tuple(name for name, _, _ in self.store.layout.state)
+
+    def attach(self, rule: str, names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> None:
+        """A row optimizer of ``rule`` takes the table: the overlay's rows must hold that rule's state (an
+        empty overlay takes it). ``ValueError`` naming ``params`` otherwise, nothing changed."""
+        want = _state_layout(names, shapes)
+        try:
+            self.store.relayout(want)
+        except ValueError:
+            raise ValueError(f"params: the table's overlay ({self.store.directory}) holds rows trained with the "
+                             f"state {list(self.state_names) or 'none'}; a {rule!r} optimizer keeps "
+                             f"{list(names) or 'none'} (train it with the rule it was trained with)") from None
+
+    # ---- lookups ----------------------------------------------------------------------------------------
+    def overlaid(self, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """``values`` ``[T, NH * D]`` (the base rows of ``ids`` ``[T, NH]``, on any device) with each row
+        the overlay holds replaced by its value, cast to ``values``'s dtype."""
+        if not self.store.num_rows:
+            return values
+        T, NH = ids.shape
+        D = self.table.dim
+        hit, got = self.store.read(ids.reshape(-1).to("cpu", torch.int64), ["rows"])
+        cuda = values.device.type == "cuda"
+        rows = got["rows"].pin_memory() if cuda else got["rows"]
+        rows = rows.to(values.device, non_blocking=cuda).to(values.dtype)
+        mask = hit.to(values.device, non_blocking=False).view(T * NH, 1)
+        return torch.where(mask, rows, values.view(T * NH, D)).view(T, NH * D)
+
+    def base_values(self, ids: torch.Tensor) -> torch.Tensor:
+        """Base rows of sorted distinct host ids ``[n]`` in the overlay's dtype ``[n, D]`` (through the row
+        cache; a quantized row dequantized by the formula of its lookups)."""
+        t = self.table
+        with t._lock:
+            raw = t._distinct_rows(ids)
+        rows = raw.view(torch.uint8).view(t.stored_dtype).view(ids.numel(), -1)
+        scale = t.scale
+        if scale is not None and scale.dim() == 2:                       # int8: per-row scales
+            scale = scale.view(-1).index_select(0, ids).view(-1, 1)
+        return t._values(rows, scale, self.dtype)
+
+    # ---- training -------------------------------------------------------------------------------------------
+    def update(self, ids: torch.Tensor, grad: torch.Tensor, op: Any, hyper: dict[str, Any]) -> None:
+        """One row-optimizer step: lookups ``ids`` ``[M]`` with gradients ``grad`` ``[M, D]``, applied by
+        ``op`` (a backend's ``table_update``) to the rows' current values and state, written to the overlay."""
+        ids = ids.to("cpu", torch.int64)
+        if not ids.numel():
+            return
+        grad = grad.to("cpu")
+        uniq, inverse = torch.unique(ids, sorted=True, return_inverse=True)
+        hit, cur = self.store.read(uniq)
+        rows = torch.where(hit.view(-1, 1), cur["rows"], self.base_values(uniq))
+        names = self.state_names
+        state = tuple(cur[f"state.{n}"] for n in names)          # zeros where the overlay has no row
+        op(rows, inverse, grad, state, validate=False, **hyper)
+        self.store.update(uniq, rows, dict(zip(names, state, strict=True)))
+
+    def flush(self, meta: dict[str, Any] | None) -> None:
+        """`OverlayStore.flush` (``meta`` None: the last flush's)."""
+        self.store.flush(meta=meta)
+
+    def close(self) -> None:
+        self.store.close()
