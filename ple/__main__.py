@@ -1,5 +1,6 @@
 """Command line: ``python -m ple demo``, ``python -m ple check MODULE[:ATTR]``, ``python -m ple inspect PATH``,
-``python -m ple convert SRC DST``, ``python -m ple plan`` (``python -m ple --help``)."""
+``python -m ple convert SRC DST``, ``python -m ple merge PATH DIR OUT``, ``python -m ple plan``
+(``python -m ple --help``)."""
 
 from __future__ import annotations
 

@@ -183,9 +183,16 @@ class Table(nn.Module):
         sink = getattr(self, "_row_sink", None)
         return sink() if sink is not None else None
 
+    @property
+    def trained(self) -> torch.Tensor:
+        """What a row optimizer (``ple.optim``) holds for this table and its lookups' autograd records against:
+        ``weight`` (for a disk table trained through an overlay, a float meta tensor ``[rows, D]`` in the
+        overlay's dtype: its ``requires_grad`` says whether the table trains)."""
+        return self.weight
+
     def _trains_by_rows(self) -> bool:
         """A lookup now records for a row optimizer (``ple.optim``): one holds the table and autograd is on."""
-        return self.weight.requires_grad and torch.is_grad_enabled() and self.row_optimizer is not None
+        return self.trained.requires_grad and torch.is_grad_enabled() and self.row_optimizer is not None
 
     def lookup(self, ids: torch.Tensor, dtype: torch.dtype, *, ops: ModuleType | CustomOps,
                validate: bool = True) -> torch.Tensor:
@@ -222,7 +229,7 @@ class Table(nn.Module):
     def _take(self, pending: Prefetch, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """``(rows, row_scale)`` of a pending prefetch if it may be used for ``ids``, else None (warns)."""
         p_ids, rows, scale = pending.result()
-        if torch.is_grad_enabled() and self.weight.requires_grad and self.row_optimizer is None \
+        if torch.is_grad_enabled() and self.trained.requires_grad and self.row_optimizer is None \
                 and getattr(self, "_overlay", None) is None:
             warnings.warn("start_prefetch: the table needs a gradient here, so the prefetched rows (fetched "
                           "without autograd) were not used; looked up again", stacklevel=4)
@@ -405,4 +412,4 @@ def row_grad_lookup(table: Table, ids: torch.Tensor, values: Callable[[], torch.
         if owner is not None:
             owner._accept(table, ids, grad, ops)          # type: ignore[attr-defined]
 
-    return cast(torch.Tensor, _RowGradLookup.apply(table.weight, ids, values, sink))
+    return cast(torch.Tensor, _RowGradLookup.apply(table.trained, ids, values, sink))

@@ -10,12 +10,15 @@
   that hold them; `read_table` reads the whole table the same way.
 * `save`: the same layout, sharded and optionally quantized, streamed to disk.
 * `convert`: re-shard a checkpoint's tables or change their dtype, block by block.
+* `merge`: a new checkpoint of a base and the rows a disk table trained into its overlay
+  (``load_layer(..., offload="disk", overlay=DIR)``, ``ple.io.disk_train``), block by block.
 * ``ple.io.policy``: what transformers would load wrong, and the ``ple_only`` mark.
 * `inspect`: what a checkpoint holds, from its headers.
 * `DiskTable` (``ple.io.disk``): a table left in its files and read through read-only memory
   maps and a row cache, ``load_layer(..., offload="disk", cache_bytes=N)``.
 
-Command line: ``python -m ple inspect PATH`` and ``python -m ple convert SRC DST``.
+Command line: ``python -m ple inspect PATH``, ``python -m ple convert SRC DST`` and
+``python -m ple merge PATH DIR OUT``.
 """
 
 from .convert import convert
@@ -24,6 +27,7 @@ from .files import Checkpoint, TensorInfo
 from .inspect import format_inspect, inspect
 from .layout import MODEL_PREFIX, LayerPlan, find_layers, model_prefix, plan_layer, shard_rows
 from .load import LoadReport, load_layer, load_layers, read_table, read_table_rows, resolve_config
+from .merge import merge
 from .optim_state import load_optimizer
 from .save import save
 
@@ -31,4 +35,5 @@ __all__ = [
     "Checkpoint", "TensorInfo", "inspect", "format_inspect", "MODEL_PREFIX", "LayerPlan", "find_layers",
     "model_prefix", "plan_layer", "shard_rows", "LoadReport", "load_layer", "load_layers", "read_table",
     "read_table_rows", "resolve_config", "convert", "save", "DiskTable", "load_optimizer",
+    "merge",
 ]

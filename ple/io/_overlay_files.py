@@ -422,6 +422,13 @@ class DirLock:
             raise RuntimeError(f"overlay: {directory} is held by another process (or by another open OverlayStore "
                                f"in this one): an overlay has one writer at a time; close the other first") from None
 
+    @classmethod
+    def unlocked(cls, directory: Path) -> DirLock:
+        """No lock: a reader of the last flushed generation while a writer holds the directory."""
+        lock = cls.__new__(cls)
+        lock.fd = -1
+        return lock
+
     def release(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)                            # closing the descriptor releases the flock

@@ -1,4 +1,4 @@
-"""``python -m ple inspect PATH`` and ``python -m ple convert SRC DST``."""
+"""``python -m ple inspect PATH``, ``python -m ple convert SRC DST`` and ``python -m ple merge PATH DIR OUT``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from .convert import convert
 from .inspect import format_inspect, inspect
+from .merge import merge
 from .save import TABLE_DTYPES
 
 if TYPE_CHECKING:
@@ -51,8 +52,26 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _merge(args: argparse.Namespace) -> int:
+    max_file = None if args.max_file_size is None else _size(args.max_file_size)
+    try:
+        out = merge(args.path, args.overlay, args.out, config=args.config, parts=args.parts,
+                    table_dtype=args.table_dtype, max_file_bytes=max_file, block_bytes=_size(args.block_size),
+                    overwrite=args.overwrite, ple_only=args.ple_only)
+    except (ValueError, TypeError, RuntimeError) as e:      # RuntimeError: the overlay is held by its trainer
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for prefix, table, ov in zip(out["layers"], out["tables"], out["overlays"], strict=True):
+        trained = "not trained" if ov is None else \
+            f"{ov['rows']} trained rows from {ov['path']} (generation {ov['generation']}, {ov['dtype']})"
+        print(f"{prefix or '(no prefix)'}: table {table}; {trained}")
+    for f in out["files"]:
+        print(f"wrote {f}")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction[Any]) -> None:
-    """Add the ``inspect`` and ``convert`` subcommands to an argparse subparsers object."""
+    """Add the ``inspect``, ``convert`` and ``merge`` subcommands to an argparse subparsers object."""
     p = sub.add_parser("inspect", help="list a checkpoint's PLE layers, tensors and hash-buffer checks",
                        description="Print the PLE layers of a safetensors checkpoint (file, directory or "
                                    "index): tensors, shapes, dtypes, bytes, and whether the hash buffers "
@@ -91,3 +110,31 @@ def register(sub: argparse._SubParsersAction[Any]) -> None:
                         "config.json and inspect then mark it as for ple only")
     c.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at dst")
     c.set_defaults(func=_convert)
+
+    m = sub.add_parser("merge", help="write a checkpoint of a base and the rows trained into its overlay",
+                       description="Write a new checkpoint: the base checkpoint PATH with the table rows a disk "
+                                   "table trained into its overlay DIR (load_layer(..., offload='disk', "
+                                   "overlay=DIR), or a folder of ple_layer_{i} overlays from load_layers); every "
+                                   "other tensor and non-weight file copied, as convert copies them. Streams "
+                                   "blocks, never a whole table. A quantized base is written in the overlay's "
+                                   "float dtype unless --table-dtype says otherwise; an fp8 / int8 / nf4 output "
+                                   "or a merged kv_proj, which transformers would load wrong, needs --ple-only.")
+    m.add_argument("path", help="the base: a .safetensors file or checkpoint directory")
+    m.add_argument("overlay", metavar="dir", help="the overlay directory (or a folder of ple_layer_{i} ones)")
+    m.add_argument("out", help="destination: a .safetensors file, or a directory")
+    m.add_argument("--config", default=None,
+                   help="config.json or preset name (default: found with the base)")
+    m.add_argument("--parts", type=int, default=None,
+                   help="table shards (0 = whole table; default: as in the base)")
+    m.add_argument("--table-dtype", choices=sorted(TABLE_DTYPES), default=None,
+                   help="table dtype of the output (default: a float base's own, the overlay's for a quantized "
+                        "base): fp8, int8, nf4 or a float dtype")
+    m.add_argument("--max-file-size", default=None, help="split the output into files of at most this size, "
+                                                          "e.g. 5GB (directory output only)")
+    m.add_argument("--block-size", default="256MiB",
+                   help="largest block read at once (default: 256MiB)")
+    m.add_argument("--ple-only", action="store_true",
+                   help="allow an output transformers would load wrong (fp8 / int8 / nf4 table, merged kv_proj); "
+                        "config.json and inspect then mark it as for ple only")
+    m.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at out")
+    m.set_defaults(func=_merge)

@@ -233,9 +233,16 @@ class DiskTable(Table):
         return self._overlay.store if self._overlay is not None else None
 
     def attach_overlay(self, overlay: TableOverlay) -> None:
-        """Train through ``overlay`` (``load_layer(..., overlay=DIR)`` calls it): the weight requires grad."""
+        """Train through ``overlay`` (``load_layer(..., overlay=DIR)`` calls it): `trained` becomes a float meta
+        tensor ``[rows, D]`` of the overlay's dtype that requires grad (``weight`` keeps saying what the files
+        hold)."""
         self._overlay = overlay
-        self.weight.requires_grad_(True)
+        self._trained = torch.empty((self.num_rows, self.dim), dtype=overlay.dtype, device="meta",
+                                    requires_grad=True)
+
+    @property
+    def trained(self) -> torch.Tensor:
+        return self._trained if self._overlay is not None else self.weight
 
     def flush(self) -> None:
         """Make the overlay durable (SPEC 12): when this returns, the overlay's directory holds every update

@@ -18,7 +18,8 @@ Opening. `OverlayStore.open` creates the directory if absent (nothing durable is
 is a JSON-able fingerprint of the base checkpoint, chosen by the caller: an overlay made on another base is a
 ``ValueError`` naming the keys that differ, and so is one of another ``dim``, ``dtype`` or ``state``. One
 writer at a time: the directory is locked (``flock``, released on `close` or when the process dies) and a
-second writer, in this process or another, is refused (``RuntimeError``); ``readonly=True`` opens it to read.
+second writer, in this process or another, is refused (``RuntimeError``); ``readonly=True`` opens it to read
+(while a writer holds it: a snapshot of its last flushed generation, read without the lock).
 
 Memory. Rows (with their state and 24 bytes of bookkeeping each) are kept in memory up to ``memory_bytes``;
 beyond it the least recently updated are *spilled* to a segment file in the directory (not durable until a
@@ -48,7 +49,7 @@ import torch
 
 from . import _overlay_files as ofiles
 from ._overlay_files import DirLock, HashIndex, Layout, Segment
-from .mapped import read_rows
+from ._overlay_segments import _CHUNK, _SHIFT, MAX_SEGMENTS, SegmentFiles
 from .writer import fsync_dir
 
 __all__ = ["OverlayStore", "SLOT_OVERHEAD", "MAX_SEGMENTS"]
@@ -56,14 +57,9 @@ __all__ = ["OverlayStore", "SLOT_OVERHEAD", "MAX_SEGMENTS"]
 SLOT_OVERHEAD = 24
 """Bytes of bookkeeping a row in memory costs beyond its values: its id, index entry and last update."""
 
-MAX_SEGMENTS = 32
-"""Segments past this many are merged whatever their sizes."""
-
-_CHUNK = 65536                   # rows read or written at a time by flushes, merges and `items`
-_SHIFT = 32                      # where a row is on disk: serial << 32 | row
 
 
-class OverlayStore:
+class OverlayStore(SegmentFiles):
     """A durable store of table rows and their optimizer state, keyed by row id (see the module docstring).
     Made by `OverlayStore.open`."""
 
@@ -113,7 +109,12 @@ class OverlayStore:
             if readonly or not create:
                 raise ValueError(f"overlay: {directory} is not a directory")
             directory.mkdir(parents=True)
-        lock = DirLock(directory, shared=readonly)
+        try:
+            lock = DirLock(directory, shared=readonly)
+        except RuntimeError:
+            if not readonly:
+                raise
+            return cls._snapshot(directory, layout, base, memory_bytes)
         store = cls(directory, layout, base, memory_bytes, readonly, lock)
         try:
             body = ofiles.read_manifest(directory)
@@ -127,6 +128,27 @@ class OverlayStore:
             store.close()
             raise
         return store
+
+    @classmethod
+    def _snapshot(cls, directory: Path, layout: Layout, base: Any, memory_bytes: int,
+                  tries: int = 8) -> OverlayStore:
+        """Read only, while a writer holds the overlay: its last flushed generation, without the lock. A
+        flush may delete files of the generation just read before they are opened: then the newer manifest
+        is read again. Files once opened stay readable (mapped) whatever the writer does after."""
+        for attempt in range(tries):
+            body = ofiles.read_manifest(directory)
+            if body is None:
+                raise ValueError(f"overlay: {directory} holds no overlay (no {ofiles.MANIFEST})")
+            store = cls(directory, layout, base, memory_bytes, True, DirLock.unlocked(directory))
+            try:
+                store._resume(body)
+                return store
+            except ValueError:
+                store.close()
+                again = ofiles.read_manifest(directory)
+                if attempt == tries - 1 or again is None or again["generation"] == body["generation"]:
+                    raise                                # not a flush racing this read: damage
+        raise AssertionError("unreachable")
 
     @staticmethod
     def manifest(directory: str | os.PathLike[str]) -> dict[str, Any] | None:
@@ -202,20 +224,6 @@ class OverlayStore:
             raise ValueError(f"overlay: {self.directory} was opened read only")
 
     # ---- reading ------------------------------------------------------------------------------------------
-    def _read_disk(self, locs: torch.Tensor, pos: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
-        """``out[key][pos[i]] = `` the values at ``locs[i]`` (serial << 32 | row), segment by segment."""
-        serial = locs >> _SHIFT
-        for s in torch.unique(serial).tolist():
-            seg = self._segments[s]
-            seg.verify()
-            seg.check()
-            sel = serial == s
-            rows, p = locs[sel] & ((1 << _SHIFT) - 1), pos[sel]
-            bufs = {k: torch.empty((rows.numel(), *o.shape[1:]), dtype=o.dtype) for k, o in out.items()}
-            read_rows([(seg.views[k], rows, bufs[k]) for k in out])
-            for k, o in out.items():
-                o.index_copy_(0, p, bufs[k])
-
     def _gather(self, ents: torch.Tensor, out: dict[str, torch.Tensor], pos: torch.Tensor) -> None:
         """``out[key][pos] = `` the values of entries ``ents``, from memory or disk."""
         slot = self._e_slot.index_select(0, ents)
@@ -360,70 +368,6 @@ class OverlayStore:
         seg.live = ids.numel()
         self._counts["spilled_rows"] += ids.numel()
         self._maybe_merge()
-
-    # ---- segments -----------------------------------------------------------------------------------------
-    def _write(self, n: int, chunks: Iterable[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> Segment:
-        serial, self._next_serial = self._next_serial, self._next_serial + 1
-        info = ofiles.write_segment(self.directory, serial, self.layout, n, chunks)
-        self._counts["bytes_written"] += info["size"]
-        seg = Segment(self.directory, info, self.layout, serial, durable=False, trusted=True)
-        self._segments[serial] = seg
-        return seg
-
-    def _retire(self, seg: Segment) -> None:
-        del self._segments[seg.serial]
-        seg.close()
-        if seg.durable:                                  # the durable manifest lists it: deleted after the next
-            self._doomed.append(seg.path)
-        else:
-            seg.path.unlink(missing_ok=True)
-
-    def _rewrite(self, old: list[Segment], ids: torch.Tensor, ents: torch.Tensor) -> None:
-        """Write the current values of entries ``ents`` (ids ``ids``, sorted), all in ``old``, as one new
-        segment, and retire ``old``."""
-        n, locs = ids.numel(), self._e_loc[ents]
-
-        def chunks() -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-            for a in range(0, n, _CHUNK):
-                b = min(n, a + _CHUNK)
-                out = {k: torch.empty((b - a, *s), dtype=dt) for k, dt, s in self.layout.fields}
-                self._read_disk(locs[a:b], torch.arange(b - a), out)
-                yield ids[a:b], out
-        if n:
-            seg = self._write(n, chunks())
-            self._e_loc[ents] = (seg.serial << _SHIFT) + torch.arange(n)
-            seg.live = n
-        for s in old:
-            self._retire(s)
-
-    def _live_rows(self, segs: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(ids, entries)`` of the rows whose current value is in ``segs``, sorted by id."""
-        ids, ents = [torch.empty(0, dtype=torch.int64)], [torch.empty(0, dtype=torch.int64)]
-        for seg in segs:
-            seg.check()
-            i = seg.ids.clone()
-            e = self._index.find(i)
-            live = self._e_loc[e] == (seg.serial << _SHIFT) + torch.arange(seg.rows)
-            ids.append(i[live])
-            ents.append(e[live])
-        all_ids, order = torch.sort(torch.cat(ids))
-        return all_ids, torch.cat(ents)[order]
-
-    def _maybe_merge(self) -> None:
-        for seg in [s for s in self._segments.values() if s.live == 0]:
-            self._retire(seg)
-        segs = list(self._segments.values())
-        live = sum(s.live for s in segs)
-        if sum(s.rows for s in segs) - live > live:                  # dead rows outnumber live ones: compact
-            ids, ents = self._index.sorted()
-            on = self._e_loc[ents] >= 0
-            self._rewrite(segs, ids[on], ents[on])
-            self._counts["compactions"] += 1
-            return
-        while len(segs) >= 2 and (segs[-2].live <= segs[-1].live or len(segs) > MAX_SEGMENTS):
-            self._rewrite(segs[-2:], *self._live_rows(segs[-2:]))
-            self._counts["merges"] += 1
-            segs = list(self._segments.values())
 
     def flush(self, meta: dict[str, Any] | None = None) -> None:
         """Make every update so far durable, with ``meta`` (JSON-able; default: the last flush's) saved with it."""

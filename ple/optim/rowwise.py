@@ -63,7 +63,7 @@ def _overlay_of(table: Table) -> Any:
 
 
 def _check_trainable(table: Table) -> None:
-    w = table.weight
+    w = table.trained
     if table.quantized and _overlay_of(table) is None:
         what = "nf4" if w.dtype == torch.uint8 else ("fp8" if table.scale is not None and table.scale.numel() == 1
                                                       else "int8")
@@ -71,7 +71,7 @@ def _check_trainable(table: Table) -> None:
                          f"table and quantize it after)")
     if not w.requires_grad:
         raise ValueError("params: the table is frozen (its weight does not require grad); set "
-                         "layer.table.weight.requires_grad_(True) to train it")
+                         "layer.table.trained.requires_grad_(True) to train it")
     if table.sparse_grad:
         raise ValueError("params: the table was made with sparse_table_grad=True, for torch.optim.SparseAdam; a row "
                          "optimizer needs no gradient tensor (make the layer without it)")
@@ -142,7 +142,7 @@ class RowOptimizer(torch.optim.Optimizer):
             _check_trainable(t)
         defaults = dict(lr=float(lr), weight_decay=float(weight_decay), eps=float(eps),
                         betas=(float(betas[0]), float(betas[1])), rule=self.rule)
-        super().__init__([t.weight for t in tables], defaults)
+        super().__init__([t.trained for t in tables], defaults)
         self.fused = fused
         self._tables = tables
         self._pending: dict[int, list[tuple[torch.Tensor, torch.Tensor, Any]]] = {}
@@ -151,7 +151,7 @@ class RowOptimizer(torch.optim.Optimizer):
             if overlay is not None:
                 overlay.attach(self.rule, STATE_NAMES[self.rule], _state_shapes(t, self.rule))
         for t in tables:
-            w = t.weight
+            w = t.trained
             st = self.state[w]
             st["step"] = 0
             if _overlay_of(t) is None:            # a disk table's state lives in its overlay, row by row
@@ -180,7 +180,7 @@ class RowOptimizer(torch.optim.Optimizer):
         raise AssertionError("a table outside the optimizer's groups")
 
     def _apply(self, table: Table, calls: list[tuple[torch.Tensor, torch.Tensor, Any]], *, count_step: bool) -> None:
-        w = table.weight
+        w = table.trained
         st = self.state[w]
         if count_step:
             st["step"] += 1
@@ -250,7 +250,7 @@ class RowOptimizer(torch.optim.Optimizer):
             _checks.hyperparameters(self.rule, saved["lr"], saved["weight_decay"], saved["eps"], saved["betas"])
             for key, w in zip(saved["params"], group["params"], strict=True):
                 st = state_dict["state"].get(key, {})
-                table = next(t for t in self._tables if t.weight is w)
+                table = next(t for t in self._tables if t.trained is w)
                 names = () if _overlay_of(table) is not None else STATE_NAMES[self.rule]   # in the overlay
                 for name, shape in zip(names, _state_shapes(table, self.rule)[:len(names)], strict=True):
                     t = st.get(name)
@@ -282,8 +282,8 @@ class RowOptimizer(torch.optim.Optimizer):
     def describe_table(self, table: Table) -> dict[str, Any]:
         """What resumes ``table``'s training besides its rows' state: the rule, the step count and the group's
         hyperparameters (JSON-able; a disk table's overlay keeps it at each flush, for ``ple.io.load_optimizer``)."""
-        group = self._group_of(table.weight)
-        out = {"rule": self.rule, "step": int(self.state[table.weight]["step"])}
+        group = self._group_of(table.trained)
+        out = {"rule": self.rule, "step": int(self.state[table.trained]["step"])}
         for key in ("lr", "weight_decay", "eps", "betas", "initial_lr"):
             if key in group:
                 out[key] = list(group[key]) if key == "betas" else float(group[key])

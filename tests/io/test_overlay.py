@@ -261,14 +261,54 @@ def test_create_false_and_readonly(tmp_path):
     with open_store(tmp_path / "ov") as store:
         store.update(torch.tensor([3]), torch.ones(1, D), {"exp_avg": torch.ones(1, D), "exp_avg_sq": torch.ones(1)})
         store.flush()
-        with pytest.raises(RuntimeError, match="another process"):
-            open_store(tmp_path / "ov", readonly=True)         # a writer excludes readers
+        store.update(torch.tensor([4]), torch.ones(1, D), {"exp_avg": torch.ones(1, D), "exp_avg_sq": torch.ones(1)})
+        with open_store(tmp_path / "ov", readonly=True) as snap:   # beside a writer: its last flush, no lock
+            assert snap.num_rows == 1 and snap.generation == 1 and snap.lookup(torch.tensor([3]))[0].all()
     with open_store(tmp_path / "ov", readonly=True) as r1, open_store(tmp_path / "ov", readonly=True) as r2:
         assert r1.lookup(torch.tensor([3]))[0].all() and r2.num_rows == 1
         with pytest.raises(ValueError, match="read only"):
             r1.flush()
         with pytest.raises(RuntimeError, match="another process"):
             open_store(tmp_path / "ov")                        # readers exclude a writer
+
+
+def test_reader_beside_a_writer_follows_its_flushes(tmp_path, monkeypatch):
+    """A reader opened while a writer holds the overlay reads the last flushed generation; files the writer
+    deletes later stay readable to it; a flush that deletes the files of the manifest it just read (a race)
+    makes it read the newer manifest, and a manifest naming a missing file with no newer one is damage."""
+    import ple.io._overlay_files as ofiles
+
+    g = torch.Generator().manual_seed(5)
+    d = tmp_path / "ov"
+    with open_store(d, memory_bytes=0) as w:
+        def put(ids: list[int]) -> None:
+            ids_t = torch.tensor(ids)
+            w.update(ids_t, torch.randn(len(ids), D, generator=g), {"exp_avg": torch.randn(len(ids), D, generator=g),
+                                                                      "exp_avg_sq": torch.rand(len(ids), generator=g)})
+            w.flush()
+
+        put([1, 2])
+        put([3])
+        stale = ofiles.read_manifest(d)                        # two segments
+        want = w.read(torch.tensor([1, 2, 3]))
+        with open_store(d, readonly=True) as r:
+            put([4, 5, 6])                                     # merges: the files r mapped are deleted
+            assert not any((d / seg["file"]).exists() for seg in stale["segments"])
+            got = r.read(torch.tensor([1, 2, 3]))
+            assert all(torch.equal(bits_of(got[1][k]), bits_of(want[1][k])) for k in want[1])
+        calls = []
+        real = ofiles.read_manifest
+
+        def racing(directory):                                 # the first read sees the manifest before the flush
+            calls.append(1)
+            return stale if len(calls) == 1 else real(directory)
+
+        monkeypatch.setattr(ofiles, "read_manifest", racing)
+        with open_store(d, readonly=True) as r:
+            assert r.generation == real(d)["generation"] and r.num_rows == 6 and len(calls) >= 2
+        monkeypatch.setattr(ofiles, "read_manifest", lambda directory: stale)    # no newer one: damage
+        with pytest.raises(ValueError, match="cannot be read"):
+            open_store(d, readonly=True)
 
 
 _SECOND = """
