@@ -191,7 +191,7 @@ def _load_from_overlays(optimizer: Any, overlays: list[Any], path: Path) -> None
     metas = []
     for o in overlays:
         d = Path(o.store.directory).resolve()
-        if d != where and where not in d.parents:
+        if d != where and d.parent != where:                 # DIR, or the folder of load_layers' overlays
             raise ValueError(f"path: {path} is not the overlay of this optimizer's table ({d}); pass the "
                              f"directory given to load_layer(..., overlay=...)")
         saved = o.store.meta.get("optimizer") if isinstance(o.store.meta, dict) else None
