@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import csv
 import importlib.util
+import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -83,6 +85,44 @@ def test_layer_cpu_benchmark_smoke(run_all, tmp_path):
     assert {r["variant"] for r in rows} == {"torch"} | ({"transformers"} if HAS_TRANSFORMERS else set())
     assert all(float(r["ms"]) > 0 for r in rows)
     assert len(list(csv.DictReader(out.open()))) == len(rows)
+
+
+@pytest.mark.deep           # ~20 s: every part of the script on tiny tables, fio included where installed
+def test_disk_training_benchmark_smoke(tmp_path, monkeypatch):
+    """``bench_disk_training.py --smoke``: every part on tiny tables in one run (training from disk against the
+    memory table, bit for bit; flush against rows changed; merge; the real part's child process; cold reads
+    beside fio where it is installed), the tables printed, the files it made deleted."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    for name in ("bench_disk_training", "bench_disk_table"):
+        sys.modules.pop(name, None)
+    import bench_disk_training
+
+    threads = torch.get_num_threads()
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    work = tmp_path / "work"
+    try:
+        assert bench_disk_training.main(["--smoke", "--dir", str(work), "--json", str(out), "--md", str(md)]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    report = json.loads(out.read_text())
+    train = report["train"]
+    for check in (train["check_after_cold"], train["check_after_warm"]):
+        assert check["bitwise_equal"] and check["overlay_rows"] == check["rows_changed_in_memory"] > 0
+    assert {"disk, cold", "memory (first steps)", "disk, warm", "memory"} == set(train["passes"])
+    assert train["passes"]["disk, cold"]["rows_read"] > 0 and train["lookup_cold"]["rows_read"] > 0
+    flushed = {(r["table"], r["rows_changed"], r["overlay_rows_before"]) for r in report["flush"]}
+    assert len(flushed) == 9 and all(r["seconds"] > 0 for r in report["flush"])
+    assert all(r["bytes_written"] >= r["rows_changed"] * 320 for r in report["flush"] if not r["spilled_rows"])
+    if "skipped" not in report["merge"]:
+        assert report["merge"]["spot_check_equal"] and report["merge"]["bytes_out"] > 0
+    real = report["real"]
+    assert real["steps"] == 6 and real["flush"]["stats"]["rows"] > 0 and real["memory"]["peak_rss_anon"] > 0
+    text = md.read_text()
+    assert "### Training steps" in text and "**equal**" in text and "### flush()" in text
+    assert "### Cold reads" in text and "### The real row count" in text
+    if shutil.which("fio"):
+        assert "rand read, 4 KiB, psync x 8 threads" in report["fio"]["jobs"] and "/ fio psync x 8" in text
+    assert not list(work.iterdir())                                      # checkpoints, overlays, fio's file
 
 
 def _row(benchmark, case, variant, ms, nbytes, gbps, **kw):

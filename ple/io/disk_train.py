@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from .files import Checkpoint
     from .layout import LayerPlan
 
-__all__ = ["TableOverlay", "base_fingerprint", "OVERLAY_BYTES", "SAMPLE_ROWS"]
+__all__ = ["TableOverlay", "base_fingerprint", "sample_ids", "OVERLAY_BYTES", "SAMPLE_ROWS"]
 
 OVERLAY_BYTES = 1 << 30
 """Default ``overlay_bytes`` of ``load_layer(..., overlay=DIR)``: the overlay's rows kept in memory."""
@@ -41,13 +41,20 @@ SAMPLE_ROWS = 257
 """Rows (spread evenly over the table) whose bytes the base's fingerprint hashes."""
 
 
+def sample_ids(n: int) -> torch.Tensor:
+    """The rows of a table of ``n`` rows the fingerprint hashes: ``SAMPLE_ROWS`` (at most ``n``) spread evenly
+    over ``[0, n)``, the first and the last included, in integer arithmetic (a float32 ``linspace`` rounds
+    past the last row above 2**24 rows)."""
+    k = min(SAMPLE_ROWS, n)
+    return torch.unique(torch.arange(k, dtype=torch.int64) * (n - 1) // max(k - 1, 1))
+
+
 def base_fingerprint(ckpt: Checkpoint, plan: LayerPlan, table: DiskTable) -> dict[str, Any]:
     """What identifies the base an overlay trains: the layer's config and prefix, the table's shape and
     dtype, its files (names and sizes) and a hash of ``SAMPLE_ROWS`` of its rows (two checkpoints of one
     config differ there). Reads ``SAMPLE_ROWS`` rows; moving the checkpoint's folder changes nothing."""
     n = table.num_rows
-    ids = torch.unique(torch.linspace(0, n - 1, min(SAMPLE_ROWS, n)).round().to(torch.int64))
-    sample = table._read(ids).view(torch.uint8)
+    sample = table._read(sample_ids(n)).view(torch.uint8)
     return {"config": plan.config.to_dict(), "prefix": plan.prefix, "rows": n, "dim": table.dim,
             "table_dtype": dtype_name(plan.table_dtype) + (" nf4" if table._packed else ""),
             "files": sorted([Path(f).name, Path(f).stat().st_size] for f in table.files),

@@ -14,7 +14,7 @@ in order (an FP8 target reads the table twice, once for its largest magnitude; a
 once for its values and once for its scales), and a read by id answers any range directly, holding one block's
 rows of the overlay, where a cursor over ``items`` would restart from the first row each time. The probe costs
 about one memory access a row (measured: half the cost of casting a bfloat16 row of 160 values to float32). So
-memory is a few blocks, plus the overlay's index (the store's, about 40 bytes an overlay row); the whole table is
+memory is a few blocks, plus the overlay's index (the store's, up to about 90 bytes an overlay row); the whole table is
 never held.
 """
 

@@ -597,3 +597,14 @@ def test_damage_leaves_other_rows_readable(ckpts, tmp_path):
         with pytest.raises(ValueError, match=re.escape(str(seg))):
             layer.table.lookup(in_overlay.view(-1, 1), torch.bfloat16, ops=layer.ops)
     layer.table.close()
+
+
+@pytest.mark.parametrize("n", [1, 2, 256, 257, 258, 2**24 + 1, 320_001_536, 2**40 + 3])
+def test_fingerprint_samples_lie_in_the_table(n):
+    """The sampled rows are inside ``[0, n)``, the first and the last included, distinct and sorted, at the
+    real table's row count too (a float32 linspace gave row ``n`` there)."""
+    from ple.io.disk_train import SAMPLE_ROWS, sample_ids
+
+    ids = sample_ids(n)
+    assert ids.dtype == torch.int64 and int(ids[0]) == 0 and int(ids[-1]) == n - 1
+    assert ids.numel() == min(n, SAMPLE_ROWS) and bool((ids[1:] > ids[:-1]).all())
