@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import _checks
+from ..config import PLEConfig
 from ..quant import Scheme
 from .files import Checkpoint, Entry, dtype_name
 from .layout import BUFFERS, KEY_PROJ, KV_PROJ, VALUE_PROJ, LayerPlan, find_layers, plan_layer
@@ -76,19 +77,7 @@ def convert(src: str | os.PathLike[str] | list[str | os.PathLike[str]] | tuple[s
     if parts is not None:
         _checks.int_arg("parts", parts, minimum=0)
     target = parse_table_dtype(table_dtype)
-    layers = find_layers(ckpt)
-    if not layers:
-        raise ValueError(f"src: no PLE layer in the checkpoint at {ckpt.root}")
-    plans = []
-    for pos, pfx in enumerate(layers):
-        index = identify_index(ckpt, pfx, cfg)
-        if index is None:
-            if len(layers) != cfg.num_ple_layers:
-                raise ValueError(f"{pfx}{BUFFERS[0]}: cannot tell which PLE index this layer is (no "
-                                 f"multipliers matching the config, and {len(layers)} layers for "
-                                 f"{cfg.num_ple_layers} in the config)")
-            index = pos
-        plans.append(plan_layer(ckpt, cfg, index, pfx))
+    plans = layer_plans(ckpt, cfg, "src")
     problems = problems_of((target if isinstance(target, Scheme) else plan.scheme if target is None else None,
                              plan.merged_kv if merged_kv is None else merged_kv) for plan in plans)
     refuse_unless_ple_only(problems, ple_only)
@@ -139,6 +128,25 @@ def convert(src: str | os.PathLike[str] | list[str | os.PathLike[str]] | tuple[s
         out = _out_dtype(plan, target)
         tables.append(f"{f'{n} shards' if n else 'whole'}, {dtype_name(out)}{' (nf4)' * (out == torch.uint8)}")
     return {"files": [str(f) for f in files], "layers": [p.prefix for p in plans], "tables": tables}
+
+
+def layer_plans(ckpt: Checkpoint, cfg: PLEConfig, arg: str) -> list[LayerPlan]:
+    """The checked plan (``plan_layer``) of every PLE layer of ``ckpt``, in key order; no layer at all is a
+    ``ValueError`` naming ``arg`` (the argument that gave the checkpoint)."""
+    layers = find_layers(ckpt)
+    if not layers:
+        raise ValueError(f"{arg}: no PLE layer in the checkpoint at {ckpt.root}")
+    plans = []
+    for pos, pfx in enumerate(layers):
+        index = identify_index(ckpt, pfx, cfg)
+        if index is None:
+            if len(layers) != cfg.num_ple_layers:
+                raise ValueError(f"{pfx}{BUFFERS[0]}: cannot tell which PLE index this layer is (no "
+                                 f"multipliers matching the config, and {len(layers)} layers for "
+                                 f"{cfg.num_ple_layers} in the config)")
+            index = pos
+        plans.append(plan_layer(ckpt, cfg, index, pfx))
+    return plans
 
 
 def _copy_other_files(src: Path, dst: Path, problems: list[str], names: list[str] | None = None) -> None:

@@ -31,12 +31,12 @@ import torch
 from .. import _checks
 from ..quant import Scheme
 from ._overlay_files import differences
-from .convert import WEIGHT_SUFFIXES, _copy_entry, _copy_other_files, _out_dtype
+from .convert import WEIGHT_SUFFIXES, _copy_entry, _copy_other_files, _out_dtype, layer_plans
 from .disk import DiskTable
 from .disk_train import base_fingerprint
 from .files import Checkpoint, dtype_name
-from .layout import BUFFERS, LayerPlan, find_layers, plan_layer
-from .load import BLOCK_BYTES, CONFIG_METADATA_KEY, identify_index, resolve_config, table_blocks
+from .layout import LayerPlan
+from .load import BLOCK_BYTES, CONFIG_METADATA_KEY, resolve_config, table_blocks
 from .optim_state import OPTIMIZER_DIR
 from .overlay import OverlayStore
 from .policy import mark_metadata, problems_of, refuse_unless_ple_only
@@ -136,7 +136,7 @@ def merge(path: CheckpointSource, overlay: str | os.PathLike[str], out: str | os
     target = parse_table_dtype(table_dtype)
     if not isinstance(overlay, (str, os.PathLike)):
         raise TypeError(f"overlay: expected a directory path, got {type(overlay).__name__}")
-    plans = _plans(ckpt, cfg)
+    plans = layer_plans(ckpt, cfg, "path")
     dirs = _overlay_dirs(Path(overlay))
     _check_out(Path(out), ckpt, Path(overlay), dirs)
     stores: dict[int, OverlayStore] = {}
@@ -147,24 +147,6 @@ def merge(path: CheckpointSource, overlay: str | os.PathLike[str], out: str | os
     finally:
         for store in stores.values():
             store.close()
-
-
-def _plans(ckpt: Checkpoint, cfg: Any) -> list[LayerPlan]:
-    """The checked plan of every PLE layer of ``ckpt`` (as ``convert`` finds them)."""
-    layers = find_layers(ckpt)
-    if not layers:
-        raise ValueError(f"path: no PLE layer in the checkpoint at {ckpt.root}")
-    plans = []
-    for pos, pfx in enumerate(layers):
-        index = identify_index(ckpt, pfx, cfg)
-        if index is None:
-            if len(layers) != cfg.num_ple_layers:
-                raise ValueError(f"{pfx}{BUFFERS[0]}: cannot tell which PLE index this layer is (no "
-                                 f"multipliers matching the config, and {len(layers)} layers for "
-                                 f"{cfg.num_ple_layers} in the config)")
-            index = pos
-        plans.append(plan_layer(ckpt, cfg, index, pfx))
-    return plans
 
 
 def _overlay_dirs(overlay: Path) -> list[tuple[Path, int | None]]:
