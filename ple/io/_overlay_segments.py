@@ -110,7 +110,13 @@ class SegmentFiles:
             self._rewrite(segs, ids[on], ents[on])
             self._counts["compactions"] += 1
             return
-        while len(segs) >= 2 and (segs[-2].live <= segs[-1].live or len(segs) > MAX_SEGMENTS):
-            self._rewrite(segs[-2:], *self._live_rows(segs[-2:]))
+        # The binary counter: the newest segment absorbs the one before it while that one holds no more live
+        # rows than it (or while there are too many). Decided first and written once: merging pairwise would
+        # rewrite the growing newest segment once per segment absorbed (many spilled segments at a flush).
+        k, total = 1, segs[-1].live if segs else 0
+        while k < len(segs) and (segs[-k - 1].live <= total or len(segs) - k + 1 > MAX_SEGMENTS):
+            total += segs[-k - 1].live
+            k += 1
+        if k > 1:
+            self._rewrite(segs[-k:], *self._live_rows(segs[-k:]))
             self._counts["merges"] += 1
-            segs = list(self._segments.values())

@@ -511,6 +511,26 @@ def test_segments_stay_few(tmp_path):
         model.check(store)
 
 
+def test_a_flush_after_many_spills_writes_each_row_about_once(tmp_path):
+    """Rows spilled past a small budget pile up as segments between flushes (a step waits on no merge); the
+    flush merges them in one rewrite, not once per segment (which wrote each row as often as there were
+    segments after it)."""
+    g = torch.Generator().manual_seed(13)
+    model = Model()
+    rb = row_bytes()
+    with open_store(tmp_path / "ov", memory_bytes=100 * (rb + SLOT_OVERHEAD)) as store:
+        for step in range(24):                                 # 24 x 100 new rows: about 23 spill segments
+            model.update(store, torch.arange(100 * step, 100 * step + 100), g)
+        st = store.stats()
+        assert st["segments"] >= 16 and st["merges"] == 0
+        before = st["bytes_written"]
+        store.flush()
+        written = store.stats()["bytes_written"] - before
+        assert written < 1.5 * 2400 * rb + 64 * 4096           # each row about once (pairwise: about 12 times)
+        assert store.stats()["segments"] <= 2
+        model.check(store)
+
+
 # ---- crashes: injected ---------------------------------------------------------------------------------
 class _Crash(BaseException):
     """A process death, injected at a file operation (not an Exception: nothing may catch it)."""
