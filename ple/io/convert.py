@@ -113,12 +113,8 @@ def convert(src: str | os.PathLike[str] | list[str | os.PathLike[str]] | tuple[s
         elif key not in drop:
             entries.append(_copy_entry(ckpt, key, block_bytes))
 
-    path, single = prepare_dst(dst, overwrite)
-    meta = dict(ckpt.metadata)
-    meta.setdefault("format", "pt")
-    meta[CONFIG_METADATA_KEY] = json.dumps(cfg.to_dict())
-    files = write_checkpoint(path, single, entries, metadata=mark_metadata(meta, problems),
-                             max_file_bytes=max_file_bytes, config=None, problems=problems)
+    path, single, files = write_converted(ckpt, cfg, entries, dst, overwrite=overwrite, problems=problems,
+                                          max_file_bytes=max_file_bytes)
     if not single:
         folder = not isinstance(src, (list, tuple)) and (Path(src).is_dir() or str(src).endswith(".index.json"))
         _copy_other_files(ckpt.root, path, problems, names=None if folder else ["config.json"])
@@ -128,6 +124,20 @@ def convert(src: str | os.PathLike[str] | list[str | os.PathLike[str]] | tuple[s
         out = _out_dtype(plan, target)
         tables.append(f"{f'{n} shards' if n else 'whole'}, {dtype_name(out)}{' (nf4)' * (out == torch.uint8)}")
     return {"files": [str(f) for f in files], "layers": [p.prefix for p in plans], "tables": tables}
+
+
+def write_converted(ckpt: Checkpoint, cfg: PLEConfig, entries: list[Entry], dst: str | os.PathLike[str], *,
+                    overwrite: bool, problems: list[str],
+                    max_file_bytes: int | None) -> tuple[Path, bool, list[Path]]:
+    """Write ``entries`` as the checkpoint ``dst`` with ``ckpt``'s metadata, the config and the ple-only mark of
+    ``problems``: ``(path, single file?, files written)`` (`convert` and ``ple.io.merge``)."""
+    path, single = prepare_dst(dst, overwrite)
+    meta = dict(ckpt.metadata)
+    meta.setdefault("format", "pt")
+    meta[CONFIG_METADATA_KEY] = json.dumps(cfg.to_dict())
+    files = write_checkpoint(path, single, entries, metadata=mark_metadata(meta, problems),
+                             max_file_bytes=max_file_bytes, config=None, problems=problems)
+    return path, single, files
 
 
 def layer_plans(ckpt: Checkpoint, cfg: PLEConfig, arg: str) -> list[LayerPlan]:

@@ -31,23 +31,21 @@ import torch
 from .. import _checks
 from ..quant import Scheme
 from ._overlay_files import differences
-from .convert import WEIGHT_SUFFIXES, _copy_entry, _copy_other_files, _out_dtype, layer_plans
+from .convert import WEIGHT_SUFFIXES, _copy_entry, _copy_other_files, _out_dtype, layer_plans, write_converted
 from .disk import DiskTable
 from .disk_train import base_fingerprint
 from .files import Checkpoint, dtype_name
 from .layout import LayerPlan
-from .load import BLOCK_BYTES, CONFIG_METADATA_KEY, resolve_config, table_blocks
+from .load import BLOCK_BYTES, resolve_config, table_blocks
 from .optim_state import OPTIMIZER_DIR
 from .overlay import OverlayStore
-from .policy import mark_metadata, problems_of, refuse_unless_ple_only
+from .policy import problems_of, refuse_unless_ple_only
 from .save import (
     CheckpointTable,
     _floats,
     _TableSource,
     parse_table_dtype,
-    prepare_dst,
     table_entries,
-    write_checkpoint,
 )
 
 if TYPE_CHECKING:
@@ -242,12 +240,8 @@ def _write(ckpt: Checkpoint, cfg: Any, plans: list[LayerPlan], stores: dict[int,
         elif key not in drop:
             entries.append(_copy_entry(ckpt, key, block_bytes))
 
-    path, single = prepare_dst(out, overwrite)
-    meta = dict(ckpt.metadata)
-    meta.setdefault("format", "pt")
-    meta[CONFIG_METADATA_KEY] = json.dumps(cfg.to_dict())
-    files = write_checkpoint(path, single, entries, metadata=mark_metadata(meta, problems),
-                             max_file_bytes=max_file_bytes, config=None, problems=problems)
+    path, single, files = write_converted(ckpt, cfg, entries, out, overwrite=overwrite, problems=problems,
+                                          max_file_bytes=max_file_bytes)
     if not single:
         folder = isinstance(src, (str, os.PathLike)) and (Path(src).is_dir() or str(src).endswith(".index.json"))
         names = [item.name for item in sorted(ckpt.root.iterdir())
