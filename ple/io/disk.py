@@ -61,7 +61,8 @@ import torch
 from .. import _checks
 from ..offload import start_gather
 from ..quant import scheme_of
-from ..table import Table, is_float_table, row_grad_lookup
+from ..table import is_float_table, row_grad_lookup
+from .disk_train import OverlayTraining
 from .files import Checkpoint, dtype_name, human_bytes
 from .mapped import READ_THREADS, MappedFile, TablePiece, map_view, read_rows
 from .row_cache import CACHE_WAYS, SLOT_OVERHEAD, RowCache
@@ -70,9 +71,7 @@ if TYPE_CHECKING:
     from torch.types import Device
 
     from ..backends import CustomOps
-    from .disk_train import TableOverlay
     from .layout import LayerPlan
-    from .overlay import OverlayStore
 
 __all__ = ["DiskTable", "RowCache", "DISK_CACHE_BYTES", "CACHE_WAYS", "READ_THREADS"]
 
@@ -85,7 +84,7 @@ _UNITS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 _COUNTERS = ("gathers", "rows", "unique_rows", "hits", "misses", "rows_read", "bytes_read", "evictions")
 
 
-class DiskTable(Table):
+class DiskTable(OverlayTraining):
     """A table whose rows stay in the checkpoint's safetensors files, read through read-only memory maps.
 
     Build it with ``ple.io.load_layer(path, offload="disk", cache_bytes=N)`` (or
@@ -132,7 +131,7 @@ class DiskTable(Table):
         self._lock = threading.Lock()
         self._counts = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
-        self._overlay: TableOverlay | None = None
+        self._overlay = None
 
     def _map_pieces(self, num_rows: int) -> None:
         """One ``[n, units]`` view per file and row alignment, covering every piece aligned that way in it.
@@ -225,37 +224,6 @@ class DiskTable(Table):
     def cache(self) -> RowCache | None:
         """The row cache (None with ``cache_bytes=0``)."""
         return self._cache
-
-    @property
-    def overlay(self) -> OverlayStore | None:
-        """The store of the rows training changed (``load_layer(..., overlay=DIR)``; ``ple.io.disk_train``),
-        or None: a table served, not trained."""
-        return self._overlay.store if self._overlay is not None else None
-
-    def attach_overlay(self, overlay: TableOverlay) -> None:
-        """Train through ``overlay`` (``load_layer(..., overlay=DIR)`` calls it): `trained` becomes a float meta
-        tensor ``[rows, D]`` of the overlay's dtype that requires grad (``weight`` keeps saying what the files
-        hold)."""
-        self._overlay = overlay
-        self._trained = torch.empty((self.num_rows, self.dim), dtype=overlay.dtype, device="meta",
-                                    requires_grad=True)
-
-    @property
-    def trained(self) -> torch.Tensor:
-        return self._trained if self._overlay is not None else self.weight
-
-    def flush(self) -> None:
-        """Make the overlay durable (SPEC 12): when this returns, the overlay's directory holds every update
-        so far and the row optimizer's step count and hyperparameters (for ``ple.io.load_optimizer``), and a
-        process killed at any moment after leaves it as of this flush or a later one. Lookups' gradients
-        not yet applied by ``step()`` are not in it. ``ValueError`` for a table without an overlay."""
-        if self._overlay is None:
-            raise ValueError("flush: this table has no overlay (load it with load_layer(..., offload='disk', "
-                             "overlay=DIR) to train it)")
-        owner = self.row_optimizer
-        describe = getattr(owner, "describe_table", None)
-        meta = {"optimizer": describe(self)} if describe is not None else None
-        self._overlay.flush(meta)
 
     def extra_repr(self) -> str:
         nbytes = self.num_rows * self._row_bytes
@@ -440,21 +408,6 @@ class DiskTable(Table):
             return self._overlaid(ids, self._values_on(ops, rows, scale, dtype))
 
         return row_grad_lookup(self, ids, values, ops) if self._trains_by_rows() else values()
-
-    def rows(self, ids: torch.Tensor, dtype: torch.dtype, *, ops: ModuleType | CustomOps,
-             validate: bool = True) -> torch.Tensor:
-        """As ``Table.rows``; with an overlay, each row it holds replaces the base row (prefetched or not)."""
-        if self._overlay is None:
-            return super().rows(ids, dtype, ops=ops, validate=validate)
-        pending, self._pending = self._pending, None
-        got = self._take(pending, ids) if pending is not None else None
-        if got is None:
-            return self.lookup(ids, dtype, ops=ops, validate=validate)
-        values = self._overlaid(ids, self._values_on(ops, *got, dtype))
-        return row_grad_lookup(self, ids, lambda: values, ops) if self._trains_by_rows() else values
-
-    def _overlaid(self, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-        return values if self._overlay is None else self._overlay.overlaid(ids, values)
 
     def _values(self, rows: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         if self.quantized:                             # FP8 / int8 / NF4: as the in-memory table

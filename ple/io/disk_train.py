@@ -24,15 +24,21 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import _checks
+from ..table import Table, row_grad_lookup
 from .files import dtype_name
 from .overlay import OverlayStore
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
+    from ..backends import CustomOps
     from .disk import DiskTable
     from .files import Checkpoint
     from .layout import LayerPlan
 
-__all__ = ["TableOverlay", "base_fingerprint", "sample_ids", "OVERLAY_BYTES", "SAMPLE_ROWS"]
+__all__ = ["TableOverlay", "OverlayTraining", "check_overlay_args", "base_fingerprint", "sample_ids", "OVERLAY_BYTES",
+           "SAMPLE_ROWS"]
 
 OVERLAY_BYTES = 1 << 30
 """Default ``overlay_bytes`` of ``load_layer(..., overlay=DIR)``: the overlay's rows kept in memory."""
@@ -64,6 +70,23 @@ def base_fingerprint(ckpt: Checkpoint, plan: LayerPlan, table: DiskTable) -> dic
 def _state_layout(names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]) -> dict[str, Any]:
     """A rule's state as the store's ``state``: per row, the shape past the rows' axis, float32."""
     return {name: (shape[1:], torch.float32) for name, shape in zip(names, shapes, strict=True)}
+
+
+def check_overlay_args(overlay: Any, overlay_bytes: Any, overlay_dtype: Any, offload: Any) -> None:
+    """``load_layer``'s checks of its overlay arguments: a ``ValueError`` / ``TypeError`` naming the one at fault."""
+    if overlay is None and (overlay_bytes is not None or overlay_dtype is not None):
+        raise ValueError("overlay_bytes, overlay_dtype: options of a trainable disk table; pass overlay=DIR")
+    if overlay is not None:
+        if offload != "disk":
+            raise ValueError(f"overlay: trains a table read from disk; pass offload='disk' with it (offload is "
+                             f"{offload!r})")
+        if not isinstance(overlay, (str, os.PathLike)):
+            raise TypeError(f"overlay: expected a directory path, got {type(overlay).__name__}")
+        if overlay_bytes is not None:
+            _checks.int_arg("overlay_bytes", overlay_bytes, minimum=0)
+        if overlay_dtype is not None and (not isinstance(overlay_dtype, torch.dtype)
+                                          or not overlay_dtype.is_floating_point):
+            raise TypeError(f"overlay_dtype: expected a torch float dtype, got {overlay_dtype!r}")
 
 
 class TableOverlay:
@@ -163,3 +186,56 @@ class TableOverlay:
 
     def close(self) -> None:
         self.store.close()
+
+
+class OverlayTraining(Table):
+    """What a `DiskTable` trains with (its base class): the overlay it is given (`attach_overlay`), the lookups
+    that read the overlay's rows over the base's, `trained` and `flush`. Without an overlay it changes nothing."""
+
+    _overlay: TableOverlay | None = None
+
+    @property
+    def overlay(self) -> OverlayStore | None:
+        """The store of the rows training changed (``load_layer(..., overlay=DIR)``; ``ple.io.disk_train``),
+        or None: a table served, not trained."""
+        return self._overlay.store if self._overlay is not None else None
+
+    def attach_overlay(self, overlay: TableOverlay) -> None:
+        """Train through ``overlay`` (``load_layer(..., overlay=DIR)`` calls it): `trained` becomes a float meta
+        tensor ``[rows, D]`` of the overlay's dtype that requires grad (``weight`` keeps saying what the files
+        hold)."""
+        self._overlay = overlay
+        self._trained = torch.empty((self.num_rows, self.dim), dtype=overlay.dtype, device="meta",
+                                    requires_grad=True)
+
+    @property
+    def trained(self) -> torch.Tensor:
+        return self._trained if self._overlay is not None else self.weight
+
+    def flush(self) -> None:
+        """Make the overlay durable (SPEC 12): when this returns, the overlay's directory holds every update
+        so far and the row optimizer's step count and hyperparameters (for ``ple.io.load_optimizer``), and a
+        process killed at any moment after leaves it as of this flush or a later one. Lookups' gradients
+        not yet applied by ``step()`` are not in it. ``ValueError`` for a table without an overlay."""
+        if self._overlay is None:
+            raise ValueError("flush: this table has no overlay (load it with load_layer(..., offload='disk', "
+                             "overlay=DIR) to train it)")
+        owner = self.row_optimizer
+        describe = getattr(owner, "describe_table", None)
+        meta = {"optimizer": describe(self)} if describe is not None else None
+        self._overlay.flush(meta)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype, *, ops: ModuleType | CustomOps,
+             validate: bool = True) -> torch.Tensor:
+        """As ``Table.rows``; with an overlay, each row it holds replaces the base row (prefetched or not)."""
+        if self._overlay is None:
+            return super().rows(ids, dtype, ops=ops, validate=validate)
+        pending, self._pending = self._pending, None
+        got = self._take(pending, ids) if pending is not None else None
+        if got is None:
+            return self.lookup(ids, dtype, ops=ops, validate=validate)
+        values = self._overlaid(ids, self._values_on(ops, *got, dtype))
+        return row_grad_lookup(self, ids, lambda: values, ops) if self._trains_by_rows() else values
+
+    def _overlaid(self, ids: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return values if self._overlay is None else self._overlay.overlaid(ids, values)

@@ -25,7 +25,7 @@ from ..quant import Scheme, nf4_unpack
 from ..reference.hashing import hash_params
 from ..table import QuantizedTable, Table
 from .disk import DISK_CACHE_BYTES, DiskTable
-from .disk_train import OVERLAY_BYTES, TableOverlay, base_fingerprint
+from .disk_train import OVERLAY_BYTES, TableOverlay, base_fingerprint, check_overlay_args
 from .files import Checkpoint, dtype_name
 from .layout import (
     BUFFERS,
@@ -389,19 +389,7 @@ def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_in
                              f"it (offload is {offload!r})")
         _checks.int_arg("cache_bytes", cache_bytes, minimum=0)
     _checks.int_arg("block_bytes", block_bytes, minimum=1)
-    if overlay is None and (overlay_bytes is not None or overlay_dtype is not None):
-        raise ValueError("overlay_bytes, overlay_dtype: options of a trainable disk table; pass overlay=DIR")
-    if overlay is not None:
-        if not disk:
-            raise ValueError(f"overlay: trains a table read from disk; pass offload='disk' with it (offload is "
-                             f"{offload!r})")
-        if not isinstance(overlay, (str, os.PathLike)):
-            raise TypeError(f"overlay: expected a directory path, got {type(overlay).__name__}")
-        if overlay_bytes is not None:
-            _checks.int_arg("overlay_bytes", overlay_bytes, minimum=0)
-        if overlay_dtype is not None and (not isinstance(overlay_dtype, torch.dtype)
-                                          or not overlay_dtype.is_floating_point):
-            raise TypeError(f"overlay_dtype: expected a torch float dtype, got {overlay_dtype!r}")
+    check_overlay_args(overlay, overlay_bytes, overlay_dtype, offload)
     ckpt, plan = _open_layer(path, config, ple_layer_index, prefix)
     cfg, pfx = plan.config, plan.prefix
     dtype = dtype or plan.model_dtype
