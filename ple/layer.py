@@ -106,17 +106,6 @@ class NGramEmbedding(nn.Module):
         self.register_buffer("ngram_heads_offsets", params.head_offsets.to(device))
         self.vocab_size = config.vocab_size
 
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        """``load_state_dict``: multipliers that could overflow int64 for a token id below ``vocab_size`` are a
-        ``ValueError`` naming ``params`` (docs/spec.md section 3), raised before anything of this module is loaded. The
-        check reads the checkpoint's values here, where they already are, so a step (which hashes with
-        ``validate=False``) reads nothing; buffers built from the config are valid by construction."""
-        key = prefix + "layer_multipliers"
-        multipliers = state_dict.get(key)
-        if isinstance(multipliers, torch.Tensor) and multipliers.device.type != "meta":
-            _checks.multipliers_values(f"params ({key})", _checks.host_list(multipliers), self.vocab_size)
-        super()._load_from_state_dict(state_dict, prefix, *args)
-
     def hash_params(self) -> HashParams:
         """The hash parameters as stored in this module's buffers (so loaded buffers are what is used)."""
         return HashParams(self.layer_multipliers, self.ngram_heads_vocab_sizes, self.ngram_heads_offsets,

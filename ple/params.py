@@ -1,7 +1,7 @@
 """`HashParams`: what the hash of one PLE layer needs, as a plain record.
 
 Specified in ``docs/spec.md`` (``../docs/spec.md`` from this file), sections 2 (how the values are made)
-and 3 (how the hash uses them, and which multipliers are refused).
+and 3 (how the hash uses them, for any multipliers).
 
 It lives at the bottom of the package (beside the config) because every layer of it passes one
 around: the argument checks, the op backends, the checkpoint readers. How the values are made is
@@ -25,9 +25,9 @@ class HashParams:
     ``multipliers`` is int64 ``[N]`` (``m[0]`` goes with the current token); ``head_sizes`` and
     ``head_offsets`` are int64 ``[NH]`` (head h addresses rows ``[head_offsets[h],
     head_offsets[h] + head_sizes[h])``); ``num_rows`` is the table's row count (padded);
-    ``vocab_size`` is V. Built by hand, the record is not checked here: the ops that hash with it
-    refuse (``ValueError`` naming ``params``) multipliers outside ``[0, (2**63 - 1) // (V - 1)]``,
-    whose products with a token id below V could overflow int64.
+    ``vocab_size`` is V. Built by hand, any multipliers are accepted: products that overflow wrap
+    modulo ``2**64`` and the floor remainder keeps each head's rows in its range (docs/spec.md section 3),
+    on every backend.
     """
 
     multipliers: torch.Tensor

@@ -15,10 +15,11 @@ rounded up to a power of two):
   request is ``>= k`` and otherwise from the request's ``ngram_context`` row (column
   ``N - 1 + pos - k``; all EOS without a context, ``HAS_CONTEXT`` false). A running flag
   says whether a step back has already reached an EOS; once it has, the entry is EOS.
-* **Hash.** ``mix`` accumulates ``w[k] * m[k]`` by XOR in int64 (the products are below
-  ``2**63`` by construction, docs/spec.md section 2); after step ``k`` it becomes the mix of the ``P``
-  heads of order ``k + 1`` in a ``[tokens, NH']`` tile, and every head takes
-  ``mix % size[h] + offset[h]`` at once. Multipliers, sizes and offsets are read from the
+* **Hash.** ``mix`` accumulates ``w[k] * m[k]`` by XOR in int64, products wrapping modulo ``2**64``
+  (the config's multipliers never wrap; hand-built ones may, docs/spec.md section 3); after step ``k``
+  it becomes the mix of the ``P`` heads of order ``k + 1`` in a ``[tokens, NH']`` tile, and every head
+  takes the floor remainder ``mix mod size[h] + offset[h]`` at once (Triton's ``%`` truncates, so a
+  negative remainder is moved up by ``size[h]``). Multipliers, sizes and offsets are read from the
   ``HashParams`` tensors (so a loaded checkpoint's buffers are what is used): the multipliers
   as one vector, sizes and offsets as ``[tokens, NH']`` tiles (consecutive heads in one
   128-bit load; the repeats hit the cache).
@@ -149,7 +150,10 @@ def _ngram_kernel(
     h2 = tl.zeros([BLOCK_T, 1], dtype=tl.int64) + h[None, :]
     size = tl.load(sizes_ptr + h2, mask=m2, other=1)
     offset = tl.load(offsets_ptr + h2, mask=m2, other=0)
-    row = mix2 % size + offset                                           # [BLOCK_T, NHP] int64 table rows
+    # The floor remainder (docs/spec.md section 3): Triton's % keeps the dividend's sign, and a mix is negative
+    # when hand-built multipliers make a product wrap, so a negative remainder moves up by the head's size.
+    rem = mix2 % size
+    row = tl.where(rem < 0, rem + size, rem) + offset                    # [BLOCK_T, NHP] int64 table rows
     if HAS_IDS_OUT:
         tl.store(out_ptr + t[:, None] * stride_out_t + h[None, :] * stride_out_h, row, mask=m2)
     if HAS_TABLE and NF4:

@@ -72,7 +72,7 @@ def ngram_embedding(weight: torch.Tensor, input_ids: torch.Tensor, params: HashP
             addresses: ``rows >= head_offsets[-1] + head_sizes[-1]``. Autograd reaches it.
         input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context: as in
             ``ngram_ids``.
-        validate: False skips the value checks (token id ranges, offsets, the multipliers' range, the
+        validate: False skips the value checks (token id ranges, offsets, the
             table's row count; the metadata checks still run); out-of-range values are then undefined
             behaviour.
 

@@ -5,9 +5,10 @@ Specified in ``docs/spec.md`` (``../../docs/spec.md`` from this file), sections 
 
 A token's n-gram of order n is its window of the last n tokens; the window is
 hashed by XOR-ing ``token * multiplier`` products and taken modulo one prime per
-hash head. The multipliers are odd and small enough that ``token * m < 2**63`` for
-every token id below ``vocab_size``, so the products never overflow int64 (a hand-made
-`HashParams` whose multipliers could overflow is refused by the op's check, naming ``params``).
+hash head. The config's multipliers are odd and small enough that ``token * m < 2**63`` for
+every token id below ``vocab_size``; a hand-made `HashParams` may carry any multipliers, whose
+products then wrap modulo ``2**64`` as int64 arithmetic does, and the floor remainder still puts
+every row inside its head (the serving engine's rows for such parameters).
 
 ``ngram_ids`` is written as the specification: a loop over the requests (``query_start_loc``
 read on the host), each hashed from its context and tokens as docs/spec.md section 3 says; not
@@ -208,9 +209,11 @@ def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: i
     A token's window ``w[0..N-1]`` is the token itself, then the tokens 1..N-1 positions back
     (through the context), except that past an EOS every older entry is EOS (the EOS itself
     is kept). For order n in 2..N, ``mix_n = (w[0]*m[0]) ^ ... ^ (w[n-1]*m[n-1])`` with
-    ``m = params.multipliers`` (int64 products, which cannot overflow), and head
+    ``m = params.multipliers`` (int64 products, wrapping modulo ``2**64`` for hand-built multipliers that
+    overflow), and head
     ``h = (n-2) * heads_per_ngram + j`` (j in ``0..heads_per_ngram-1``) takes row
-    ``mix_n % head_sizes[h] + head_offsets[h]``. A chunk's ids equal those of the same tokens
+    ``mix_n % head_sizes[h] + head_offsets[h]``, ``%`` the floor remainder (``torch.remainder``: in
+    ``[0, head_sizes[h])`` also for a negative mix). A chunk's ids equal those of the same tokens
     hashed within the whole sequence, given the chunk's ``ngram_context``.
 
     Args:
@@ -223,7 +226,7 @@ def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: i
             (from 0, non-decreasing, ending at T). Default: one request, ``[0, T]``.
         ngram_context: int32 or int64 ``[R, N-1]``, the tokens before each request's first token,
             oldest first. Default: all EOS (every request starts its sequence).
-        validate: False skips the value checks (token id ranges, offsets, the multipliers' range; the
+        validate: False skips the value checks (token id ranges, offsets; the
             metadata checks still run), for callers that validated on the host
             (``PLECache.schedule``); out-of-range values are then undefined behaviour.
 
@@ -234,8 +237,6 @@ def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: i
         TypeError: ``input_ids``, ``query_start_loc`` or ``ngram_context`` is not an int32 / int64
             tensor; ``params`` is not a `HashParams`; ``heads_per_ngram`` or ``eos_token_id`` is not an int.
         ValueError: ``input_ids`` is not 1-D, is on the meta device, or holds an id outside ``[0, V)``.
-        ValueError: ``params`` has a multiplier outside ``[0, (2**63 - 1) // (V - 1)]``, i.e. one whose
-            product with a token id below V could overflow int64.
         ValueError: ``heads_per_ngram`` is below 1, or ``(N - 1) * heads_per_ngram`` differs from the
             number of head sizes in ``params``.
         ValueError: ``eos_token_id`` is outside ``[0, V)``.
@@ -265,8 +266,8 @@ def _ngram_ids(input_ids: torch.Tensor, params: HashParams, heads_per_ngram: int
     out = []
     for seq in _request_token_lists(input_ids, N, eos_token_id, query_start_loc, ngram_context):
         w = _windows(seq, N, eos_token_id)                      # [q, N]
-        # docs/spec.md 3: mix_n = (w[0]*m[0]) ^ ... ^ (w[n-1]*m[n-1]) (int64: token * m < 2**63, no overflow);
-        # head h = (n-2)*P + j takes row mix_n % size[h] + offset[h].
+        # docs/spec.md 3: mix_n = (w[0]*m[0]) ^ ... ^ (w[n-1]*m[n-1]) (int64, wrapping modulo 2**64);
+        # head h = (n-2)*P + j takes row mix_n % size[h] + offset[h] (% on tensors: the floor remainder).
         mix = w[:, 0] * m[0]
         heads = []
         for n in range(2, N + 1):
