@@ -173,7 +173,7 @@ class PLELayer(nn.Module):
         super().__init__()
         if not isinstance(config, PLEConfig):
             raise TypeError(f"config: expected a PLEConfig, got {type(config).__name__}")
-        _checks.int_arg("ple_layer_index", ple_layer_index, minimum=0)
+        ple_layer_index = _checks.int_arg("ple_layer_index", ple_layer_index, minimum=0)
         if config.num_ple_layers == 0:
             raise ValueError("config: has no PLE layer (ple_layer_ids is empty; a config without ple_layer_ids "
                              "means no PLE layer, as in transformers); pass ple_layer_ids=[...]")
@@ -415,6 +415,17 @@ class PLELayer(nn.Module):
         if not callable(run):
             raise TypeError(f"cache: expected a ple.state.PLECache, got {type(cache).__name__}")
         return run(self, hidden_states, batch)
+
+    def __enter__(self) -> PLELayer:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        """The end of ``with layer:`` (``with ple.io.load_layer(...) as layer:``) is the table's: a table on
+        disk is closed, an overlay flushed first unless the block raised (``ple.io.disk_train``); a table in
+        memory has nothing to release, and the layer stays usable."""
+        leave = getattr(self.table, "__exit__", None)
+        if leave is not None:
+            leave(exc_type, exc, tb)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from .. import _checks
+from .._deprecation import deprecated_parameter
 from ..offload import start_gather
 from ..quant import scheme_of
 from ..table import is_float_table, row_grad_lookup
@@ -96,7 +97,9 @@ class DiskTable(OverlayTraining):
     layer (``layer.to(device)``), int8 per-row scales stay in host memory with the rows' cache;
     an NF4 table has none (each row holds its scale).
     Moving or casting the layer changes no file: a float table's rows are cast to the layer's
-    dtype as they are looked up.
+    dtype as they are looked up. A float table with an overlay takes no float dtype but its
+    overlay's: ``layer.to(dtype)`` to another is a ``ValueError`` naming ``dtype``, and nothing
+    is changed (the overlay's rows keep their dtype: it is chosen when the overlay is made).
 
     `stats` (this class only; other tables have none) counts the lookups, `reset_stats` zeroes the
     counters, `clear_cache` empties the cache, `drop_page_cache` asks the kernel to forget the
@@ -163,14 +166,16 @@ class DiskTable(OverlayTraining):
 
     # ---- building ----------------------------------------------------------------------------------------
     @classmethod
+    @deprecated_parameter("block_rows", "rows_per_block", since="0.1.0")
     def from_checkpoint(cls, ckpt: Checkpoint, plan: LayerPlan, *, dtype: torch.dtype | None = None,
                         cache_bytes: int = DISK_CACHE_BYTES, device: Device = None,
-                        block_rows: int = 1 << 20) -> DiskTable:
+                        rows_per_block: int = 1 << 20) -> DiskTable:
         """The table of ``plan`` (``ple.io.layout.plan_layer``, so already checked) mapped from its files.
 
         ``dtype``: the layer's dtype, what a float table's rows are cast to (default: the
         stored one). ``device``: where an FP8 table's scale goes (the layer's device). int8
-        per-row scales are read into host memory, ``block_rows`` at a time. An NF4 table's rows
+        per-row scales are read into host memory, ``rows_per_block`` at a time (the keyword
+        ``block_rows=`` still works and warns: deprecated). An NF4 table's rows
         (``D/2 + 4`` bytes each, scales inside) are all left in the files.
         """
         width = plan.scheme.weight_width(plan.dim) if plan.scheme is not None else plan.dim    # NF4: D/2 + 4
@@ -191,8 +196,8 @@ class DiskTable(OverlayTraining):
             elif plan.scheme.per_row:
                 scale = torch.empty((plan.num_rows, 1), dtype=torch.float32)
                 for tp in plan.pieces:
-                    for a in range(tp.start, tp.stop, block_rows):
-                        b = min(a + block_rows, tp.stop)
+                    for a in range(tp.start, tp.stop, rows_per_block):
+                        b = min(a + rows_per_block, tp.stop)
                         scale[a:b].copy_(ckpt.read(cast(str, tp.scale_key), a - tp.start, b - tp.start))
             else:
                 scale = ckpt.read(cast(str, plan.scale_key)).reshape(1).to(device, copy=True)   # not a view of a map
@@ -269,8 +274,8 @@ class DiskTable(OverlayTraining):
                 f.drop_page_cache()
 
     def close(self) -> None:
-        """Release the mappings and files (and the overlay: updates since its last `flush` are dropped); a
-        lookup afterwards raises ``RuntimeError``."""
+        """Release the mappings and files, and the overlay and its lock, with no flush (updates since the last
+        `flush` are dropped; a ``with`` block flushes first: `__exit__`); a lookup after is a ``RuntimeError``."""
         with self._lock:
             self._closed = True
             self._views = []
@@ -428,7 +433,13 @@ class DiskTable(OverlayTraining):
         # No file changes: a float table takes the new dtype for its lookups (as the in-memory table's values
         # would be cast), an FP8 scale moves with the layer (bit for bit), int8 per-row scales stay on the host.
         if is_float_table(self._value) and scheme_of(self._stored) is None:
-            self._value = fn(torch.empty(0, dtype=self._value)).dtype
+            value, overlay = fn(torch.empty(0, dtype=self._value)).dtype, self._overlay
+            if overlay is not None and value not in (self._value, overlay.dtype):     # (the layer's first module)
+                raise ValueError(f"dtype: the table trains through an overlay of {overlay.dtype} rows "
+                                 f"({overlay.store.directory}), which stay {overlay.dtype} under a {value} layer. "
+                                 f"Nothing was changed: cast to {overlay.dtype}, or load with dtype={value} and a "
+                                 f"new overlay to train {value} rows")
+            self._value = value
             self.weight = torch.empty(tuple(self.weight.shape), dtype=self._value, device="meta")
         scale = self.scale
         if scale is not None and scale.dim() == 1:

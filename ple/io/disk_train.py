@@ -1,4 +1,4 @@
-"""Training a table read from disk: the overlay of a `DiskTable` (SPEC 12; the store is ``ple.io.overlay``).
+"""Training a table read from disk: the overlay of a `DiskTable` (docs/spec.md section 12; store: ``ple.io.overlay``).
 
 ``load_layer(path, offload="disk", overlay=DIR)`` gives the `DiskTable` a `TableOverlay`: the checkpoint's
 files stay read only, and the rows a row optimizer (``ple.optim``) changes, with their optimizer state, live
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -93,7 +94,16 @@ class TableOverlay:
     """The overlay of a trainable `DiskTable` (see the module docstring): made by `TableOverlay.open`."""
 
     def __init__(self, table: DiskTable, store: OverlayStore) -> None:
-        self.table, self.store = table, store
+        self._table = weakref.ref(table)             # (no cycle: a table dropped unclosed, no optimizer over it,
+        self.store = store                           # is freed at once, and its store's lock with it)
+
+    @property
+    def table(self) -> DiskTable:
+        """The table this overlay trains."""
+        table = self._table()
+        if table is None:
+            raise RuntimeError("overlay: its table was garbage-collected")
+        return table
 
     @classmethod
     def open(cls, table: DiskTable, directory: str | os.PathLike[str], *, base: dict[str, Any], memory_bytes: int,
@@ -190,7 +200,15 @@ class TableOverlay:
 
 class OverlayTraining(Table):
     """What a `DiskTable` trains with (its base class): the overlay it is given (`attach_overlay`), the lookups
-    that read the overlay's rows over the base's, `trained` and `flush`. Without an overlay it changes nothing."""
+    that read the overlay's rows over the base's, `trained`, `flush`, and the ``with`` block. Without an
+    overlay it changes nothing.
+
+    The overlay's lifetime: `close` (``DiskTable.close``) releases it, and its directory's single-writer lock,
+    *without* flushing (updates since the last `flush` are dropped); so does the table garbage-collected
+    unclosed (``del layer``, and any optimizer over it: it holds the table), its unflushed spill files left
+    for the next open to delete. ``with ple.io.load_layer(..., offload="disk", overlay=DIR) as layer:``
+    flushes and closes at the end of the block, or only closes when the block ends with an exception (see
+    `__exit__`)."""
 
     _overlay: TableOverlay | None = None
 
@@ -212,8 +230,28 @@ class OverlayTraining(Table):
     def trained(self) -> torch.Tensor:
         return self._trained if self._overlay is not None else self.weight
 
+    def close(self) -> None:
+        """Release the overlay (and its directory's lock) without flushing: updates since the last `flush` are
+        dropped. ``DiskTable.close`` releases its files too."""
+        if self._overlay is not None:
+            self._overlay.close()
+
+    def __enter__(self) -> OverlayTraining:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        """The end of a ``with`` block (of the table, or of its layer: ``PLELayer.__exit__``): without an exception,
+        `flush` (the overlay durable, with the row optimizer's step count), then `close`; after an exception,
+        `close` only: the overlay stays as of its last flush (a step broken off half way is not made durable).
+        A table without an overlay is closed."""
+        try:
+            if exc_type is None and self._overlay is not None and not self._overlay.store.closed:
+                self.flush()
+        finally:
+            self.close()
+
     def flush(self) -> None:
-        """Make the overlay durable (SPEC 12): when this returns, the overlay's directory holds every update
+        """Make the overlay durable (docs/spec.md 12): when this returns, the overlay's directory holds every update
         so far and the row optimizer's step count and hyperparameters (for ``ple.io.load_optimizer``), and a
         process killed at any moment after leaves it as of this flush or a later one. Lookups' gradients
         not yet applied by ``step()`` are not in it. ``ValueError`` for a table without an overlay."""

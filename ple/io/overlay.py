@@ -18,8 +18,10 @@ Opening. `OverlayStore.open` creates the directory if absent (nothing durable is
 is a JSON-able fingerprint of the base checkpoint, chosen by the caller: an overlay made on another base is a
 ``ValueError`` naming the keys that differ, and so is one of another ``dim``, ``dtype`` or ``state``. One
 writer at a time: the directory is locked (``flock``, released on `close` or when the process dies) and a
-second writer, in this process or another, is refused (``RuntimeError``); ``readonly=True`` opens it to read
-(while a writer holds it: a snapshot of its last flushed generation, read without the lock).
+second writer, in this process or another, is refused (``RuntimeError``, saying which and how to release it);
+a store garbage-collected without `close` releases the lock too (its unflushed spill files are left, deleted
+at the next open). ``readonly=True`` opens it to read (while a writer holds it: a snapshot of its last
+flushed generation, read without the lock).
 
 Memory. Rows (with their state and 24 bytes of bookkeeping each) are kept in memory up to ``memory_bytes``;
 beyond it the least recently updated are *spilled* to a segment file in the directory (not durable until a
@@ -213,6 +215,11 @@ class OverlayStore(SegmentFiles):
         if self._lock is not None:
             self._lock.release()
             self._lock = None
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called (the store's lookups and updates are then a ``ValueError``)."""
+        return self._lock is None
 
     def __enter__(self) -> OverlayStore:
         return self

@@ -1,4 +1,4 @@
-"""``ple.io.disk_train``: a disk table trained through an overlay (SPEC 12, ``load_layer(..., overlay=DIR)``).
+"""``ple.io.disk_train``: a disk table trained through an overlay (docs/spec.md 12, ``load_layer(..., overlay=DIR)``).
 
 Bits: training through the overlay equals the same training on the in-memory table (bfloat16 and float32
 tables; every rule, fused or not, micro-batches, a memory budget so small that rows spill, lookups
@@ -12,6 +12,7 @@ optimizer of another rule, a wrong path. The kill test is ``test_disk_train_kill
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -490,19 +491,102 @@ def test_overlay_dtype_of_an_existing_overlay(ckpts, tmp_path):
 
 
 def test_second_writer_refused(ckpts, tmp_path):
-    """A second ``load_layer`` on an overlay open for training is a RuntimeError; the first trains on."""
+    """A second ``load_layer`` on an overlay open for training (a notebook's cell run again) is a RuntimeError
+    saying that this process holds it and how to let go (``layer.table.close()``); the first trains on."""
     path, ov = ckpts["bf16"], tmp_path / "ov"
     mem = make_run(pio.load_layer(path), "adagrad")
     run = make_run(disk_layer(path, ov), "adagrad")
     train([mem, run], range(1))
     run.layer.table.flush()
-    with pytest.raises(RuntimeError, match="another process"):
+    with pytest.raises(RuntimeError, match=f"^overlay: {re.escape(str(ov))} is held by this process: .*"
+                                           r"Release it with layer\.table\.close\(\)"):
         disk_layer(path, ov)
     train([mem, run], range(1, 2))
     run.layer.table.flush()
     assert_same(run, mem, "adagrad")
     run.layer.table.close()
     disk_layer(path, ov).table.close()                        # released with the first
+
+
+def test_a_layer_dropped_releases_its_overlay(ckpts, tmp_path):
+    """A layer (and its optimizer) deleted without ``close`` releases the overlay's lock once garbage-collected:
+    loading again works, as of the last flush (the unflushed rows' spill files are deleted then)."""
+    path, ov = ckpts["bf16"], tmp_path / "ov"
+    run = make_run(disk_layer(path, ov, overlay_bytes=0), "adagrad", dense=False)
+    train([run], range(1))
+    run.layer.table.flush()
+    flushed = dir_bytes(ov)
+    train([run], range(1, 2))                                  # spilled, not flushed
+    assert set(dir_bytes(ov)) > set(flushed)
+    layer, opt = run.layer, run.opt
+    del run, layer, opt
+    gc.collect()
+    again = disk_layer(path, ov, overlay_bytes=0)
+    assert again.table.overlay.meta["optimizer"]["step"] == 1
+    assert dir_bytes(ov) == flushed
+    again.table.close()
+
+
+def test_with_block_flushes_then_closes(ckpts, tmp_path):
+    """``with load_layer(..., overlay=DIR) as layer:``: leaving the block flushes (the optimizer's step count
+    too) and closes (the lock released, the table's lookups refused after); leaving it by an exception closes
+    without flushing (the overlay as of its last flush). A disk layer without an overlay is closed; a layer in
+    memory is left as it was."""
+    path, ov = ckpts["bf16"], tmp_path / "ov"
+    mem = make_run(pio.load_layer(path, backend="torch"), "adagrad", dense=False)
+    with disk_layer(path, ov, "torch", overlay_bytes=1 << 16) as layer:
+        run = make_run(layer, "adagrad", dense=False)
+        train([mem, run], range(2))
+    with pytest.raises(RuntimeError, match="closed"):
+        disk_rows(layer, torch.bfloat16)
+    flushed = dir_bytes(ov)
+    with pytest.raises(KeyError), disk_layer(path, ov, "torch", overlay_bytes=1 << 16) as layer:
+        run = make_run(layer, "adagrad", dense=False)
+        pio.load_optimizer(run.opt, ov)
+        train([run], range(2, 3))
+        raise KeyError("a cell's error")
+    assert dir_bytes(ov) == flushed                            # not flushed; the lock released
+    with disk_layer(path, ov, "torch", overlay_bytes=1 << 16) as layer:
+        resumed = make_run(layer, "adagrad", dense=False)
+        resumed.touched = mem.touched
+        pio.load_optimizer(resumed.opt, ov)
+        assert_same(resumed, mem, "adagrad")
+    flushed = dir_bytes(ov)
+    with disk_layer(path, ov, "torch", overlay_bytes=1 << 16) as layer:
+        layer.table.close()                                    # closed in the block: nothing to flush at its end
+    assert dir_bytes(ov) == flushed
+    with pio.load_layer(path, offload="disk") as served:
+        pass
+    with pytest.raises(RuntimeError, match="closed"):
+        disk_rows(served, torch.bfloat16)
+    with mem.layer as same:
+        assert same is mem.layer
+    h, ids = batch(7, 0, torch.bfloat16)
+    with torch.no_grad():
+        assert mem.layer(h, ids).shape == h.shape               # still usable
+
+
+def test_casting_to_another_dtype_than_the_overlays_is_refused(ckpts, tmp_path):
+    """``layer.to(dtype)`` over an overlay of other rows is a ValueError naming ``dtype``, and nothing changed
+    (before it, training wrote the overlay's dtype under a layer of another); a cast to the overlay's dtype,
+    and casts of a quantized base (whose rows the overlay's dtype never followed), are fine."""
+    path, ov = ckpts["bf16"], tmp_path / "ov"
+    layer = disk_layer(path, ov, overlay_bytes=0)
+    for cast in (lambda m: m.to(torch.float32), lambda m: m.to("cpu", torch.float64), lambda m: m.half(),
+                 lambda m: m.float()):
+        with pytest.raises(ValueError, match=r"^dtype: .*overlay of torch\.bfloat16 rows"):
+            cast(layer)
+        assert {p.dtype for p in layer.parameters()} == {torch.bfloat16} and layer.table.weight.dtype == torch.bfloat16
+    layer.to(torch.bfloat16)
+    layer.table.close()
+    f32 = disk_layer(path, tmp_path / "ov32", overlay_dtype=torch.float32, overlay_bytes=0)
+    f32.to(torch.float32)                                     # the overlay's dtype: taken
+    assert f32.table.weight.dtype == torch.float32 and f32.key_proj.weight.dtype == torch.float32
+    f32.table.close()
+    q = disk_layer(ckpts["fp8"], tmp_path / "ovq", overlay_bytes=0)
+    q.to(torch.float32)
+    assert q.key_proj.weight.dtype == torch.float32 and q.table.overlay.layout.dtype == torch.bfloat16
+    q.table.close()
 
 
 def test_optimizer_of_another_rule(ckpts, tmp_path):

@@ -1,4 +1,4 @@
-"""A trainable disk table killed mid-training (SPEC 12, issue 33): the overlay is as of a flush, never a mixture.
+"""A trainable disk table killed mid-training (docs/spec.md section 12): the overlay is as of a flush, never a mixture.
 
 A child process (this file run as a script) trains a disk table through an overlay on a deterministic data
 stream (step k's batch drawn from seed k), flushing every `FLUSH_EVERY` steps and printing ``flushing <n>``
@@ -10,6 +10,12 @@ every row and every row's state equal the in-memory table trained ``s`` steps, b
 resumes from there (``load_optimizer``); at last the parent resumes and trains to the end, which equals
 training never stopped.
 The checkpoint's files are never written.
+
+Crashes injected in this process too: every file operation of three training steps (rows spill) and a flush
+(that merges away the last flush's durable segments) made to fail in turn; the overlay loads as the flush
+before or that one, exactly. What no kill can show (it leaves the page cache) is checked on the order of the
+file operations (``tests/_overlay_helpers.py``): every segment the new manifest names fsynced, and the
+directory, before its rename; no segment a durable manifest names deleted before the new one is durable.
 """
 
 from __future__ import annotations
@@ -19,14 +25,13 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from _overlay_helpers import Crash, FaultInjector, check_flush_order, watched_child
 
 import ple
 import ple.io as pio
@@ -41,8 +46,8 @@ OPTS = {"sgd": ple.optim.SparseSGD, "adagrad": ple.optim.RowwiseAdagrad, "adam":
 B, L = 4, 16
 FLUSH_EVERY = 3
 LR = 0.05
-OVERLAY_BYTES = 150 * (2 * 4 + 4 * 4 + 4 + 24)      # about 150 rows in memory: spills and merges between flushes
-ROOT = Path(__file__).resolve().parents[2]
+ROW_BYTES = 2 * 4 + 4 * 4 + 4 + 24                   # an Adam row of D = 4 in the overlay's memory
+OVERLAY_BYTES = 150 * ROW_BYTES                      # about 150 rows in memory: spills between flushes
 SLOW_FSYNC = 0.02                                    # seconds each fsync of a "slow" child sleeps first
 
 
@@ -66,8 +71,8 @@ def train_step(layer: ple.PLELayer, opt: ple.optim.RowOptimizer, step: int) -> N
     opt.zero_grad()
 
 
-def open_disk(ckpt: str | Path, ov: str | Path) -> ple.PLELayer:
-    return pio.load_layer(ckpt, backend="torch", offload="disk", overlay=ov, overlay_bytes=OVERLAY_BYTES)
+def open_disk(ckpt: str | Path, ov: str | Path, overlay_bytes: int = OVERLAY_BYTES) -> ple.PLELayer:
+    return pio.load_layer(ckpt, backend="torch", offload="disk", overlay=ov, overlay_bytes=overlay_bytes)
 
 
 # ---- the child --------------------------------------------------------------------------------------------
@@ -154,22 +159,11 @@ def durable_step(ov: Path) -> int:
     return int(meta["optimizer"]["step"]) if meta and meta.get("optimizer") else 0
 
 
-def start_child(ckpt: Path, ov: Path, rule: str, end: int, slow: bool) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, __file__, str(ckpt), str(ov), rule, str(end), str(int(slow))],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-
-
 def kill_round(ckpt: Path, ov: Path, rule: str, rng: random.Random, durable: int, *, during_flush: bool
                ) -> tuple[int, int, bool]:
     """One child killed: returns (last step printed flushed, last printed flushing, killed inside a flush)."""
-    proc = start_child(ckpt, ov, rule, 10**6, slow=during_flush)
-    watchdog = threading.Timer(300, proc.kill)              # a hung child fails the test, never hangs it
-    watchdog.start()
-    try:
-        ready = proc.stdout.readline().split()
-        if ready[:1] != ["ready"]:
-            pytest.fail(f"the child did not start: {proc.communicate()[1]}")
-        assert int(ready[1]) == durable, "the child did not resume from the last flush"
+    with watched_child(__file__, ckpt, ov, rule, 10**6, int(during_flush)) as (proc, start):
+        assert start == durable, "the child did not resume from the last flush"
         flushes = rng.randrange(1 if during_flush else 0, 3)
         longest = 0.0                                        # the longest flush so far, in seconds
         seen = []
@@ -186,8 +180,6 @@ def kill_round(ckpt: Path, ov: Path, rule: str, rng: random.Random, durable: int
         time.sleep(rng.uniform(0.0, longest) if during_flush else rng.uniform(0.0, 0.4))
         proc.kill()
         out, _ = proc.communicate()
-    finally:
-        watchdog.cancel()
     lines = seen + [x.split() for x in out.splitlines()]
     flushed = max([durable] + [int(x[1]) for x in lines if x[:1] == ["flushed"]])
     flushing = max([flushed] + [int(x[1]) for x in lines if x[:1] == ["flushing"]])
@@ -251,31 +243,6 @@ def test_killed_training(tmp_path, seed):
 
 
 # ---- crashes injected at every file operation --------------------------------------------------------------
-class _Crash(BaseException):
-    """A process death, injected at a file operation (not an Exception: nothing may catch it)."""
-
-
-class _FaultInjector:
-    """Counts os.pwrite / os.fsync / os.replace / os.unlink calls; the ``at``-th one fails (a pwrite writes
-    half its bytes first: a torn write)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, at: int) -> None:
-        self.count, self.at = 0, at
-        for name in ("pwrite", "fsync", "replace", "unlink"):
-            monkeypatch.setattr(os, name, self._wrap(name, getattr(os, name)))
-
-    def _wrap(self, name, real):
-        def op(*args, **kwargs):
-            self.count += 1
-            if self.count == self.at:
-                if name == "pwrite":
-                    fd, data, offset = args
-                    real(fd, memoryview(data).cast("B")[: len(memoryview(data).cast("B")) // 2], offset)
-                raise _Crash(f"{name} #{self.at}")
-            return real(*args, **kwargs)
-        return op
-
-
 @pytest.fixture(scope="module")
 def crash_setup(tmp_path_factory):
     """A checkpoint, an overlay trained 3 steps and flushed (the template every crash starts from), and the
@@ -295,23 +262,29 @@ def crash_setup(tmp_path_factory):
     return ckpt, template, ref
 
 
-def crash_trial(setup, d: Path, at: int, monkeypatch) -> int:
-    """Resume the template in ``d``, train steps 3-5 (rows spill, segments merge) and flush, the ``at``-th
-    file operation failing; then load the overlay as a new process would and check it is the flush of step
-    3 or of step 6, exactly. Returns the file operations the training and flush did (to the crash)."""
+CRASH_BYTES = 300 * ROW_BYTES
+"""The crash trials' overlay memory: rows spill during steps 3-5, and the flush's segment holds as many live rows
+as the segments before it, so the flush merges them all, the template's durable ones too."""
+
+
+def crash_trial(setup, d: Path, at: int, monkeypatch) -> FaultInjector:
+    """Resume the template in ``d``, train steps 3-5 (rows spill) and flush (a merge that retires the template's
+    durable segments), the ``at``-th file operation failing; then load the overlay as a new process would and
+    check it is the flush of step 3 or of step 6, exactly. Returns the injector (``count``: the file operations
+    the training and flush did, to the crash; ``log``: what they were)."""
     ckpt, template, ref = setup
     shutil.copytree(template, d)
-    layer = open_disk(ckpt, d)
+    layer = open_disk(ckpt, d, CRASH_BYTES)
     opt = table_only(layer, "adam")
     pio.load_optimizer(opt, d)
     store = layer.table.overlay
     with monkeypatch.context() as m:
-        inj = _FaultInjector(m, at)
+        inj = FaultInjector(m, at)
         try:
             for k in range(3, 6):
                 train_step(layer, opt, k)
             layer.table.flush()
-        except _Crash:
+        except Crash:
             pass
     store._lock.release()                       # a dead process's lock goes with it; its files stay as they are
     store._lock = None
@@ -320,13 +293,21 @@ def crash_trial(setup, d: Path, at: int, monkeypatch) -> int:
     assert s == 6 or inj.count >= at, "the flush did not happen but nothing failed"
     ref.check(d, s, ckpt)
     shutil.rmtree(d)
-    return inj.count
+    return inj
 
 
 def _crash_points(setup, tmp_path, monkeypatch) -> int:
-    n = crash_trial(setup, tmp_path / "dry", 10**9, monkeypatch)          # no crash: counts the operations
-    assert n > 10
-    return n
+    """The file operations of a trial without a crash, checked in order (`check_flush_order`: what a kill cannot
+    show): every segment the new manifest names fsynced, and the directory, before its rename; no durable
+    segment deleted before the rename is durable. The flush merges away (retires) the template's durable
+    segments, so some crash points lie inside that merge."""
+    template = setup[1]
+    durable = {s["file"] for s in json.loads((template / MANIFEST).read_text())["manifest"]["segments"]}
+    inj = crash_trial(setup, tmp_path / "dry", 10**9, monkeypatch)       # no crash: counts the operations
+    order = check_flush_order(inj.log, tmp_path / "dry", durable)
+    assert order["manifests"] == 1 and order["retired"] == len(durable) > 1, (order, durable)
+    assert inj.count > 10
+    return inj.count
 
 
 def test_injected_crashes_quick(crash_setup, tmp_path, monkeypatch):

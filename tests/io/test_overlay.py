@@ -10,11 +10,13 @@ flush is made to fail in turn (a write torn halfway), and the directory must reo
 the flush in progress, exactly. Killed: a child process (this file run as a script) updates rows with
 contents known per generation and flushes, printing each generation once its flush returned; the parent
 kills it (SIGKILL) at random moments, reopens the directory and checks it holds exactly one flushed
-generation, the last one printed or the one after.
+generation, the last one printed or the one after. Ordered: the file operations of the flush checked against
+what makes it durable on a power loss too, which no kill can show (``tests/_overlay_helpers.py``).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
@@ -23,12 +25,12 @@ import shutil
 import struct
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from _overlay_helpers import Crash, FaultInjector, check_flush_order, watched_child
 
 from ple.io._overlay_files import LOCK, MANIFEST
 from ple.io.overlay import SLOT_OVERHEAD, OverlayStore
@@ -268,7 +270,7 @@ def test_create_false_and_readonly(tmp_path):
         assert r1.lookup(torch.tensor([3]))[0].all() and r2.num_rows == 1
         with pytest.raises(ValueError, match="read only"):
             r1.flush()
-        with pytest.raises(RuntimeError, match="another process"):
+        with pytest.raises(RuntimeError, match="held by this process"):
             open_store(tmp_path / "ov")                        # readers exclude a writer
 
 
@@ -330,7 +332,8 @@ def test_second_writer_refused(tmp_path):
     lock goes with it."""
     d = tmp_path / "ov"
     store = OverlayStore.open(d, base={}, dim=4, memory_bytes=0)
-    with pytest.raises(RuntimeError, match=f"^overlay: {re.escape(str(d))} is held by another process"):
+    with pytest.raises(RuntimeError, match=f"^overlay: {re.escape(str(d))} is held by this process: .*"
+                                           r"Release it with layer\.table\.close\(\) \(store\.close\(\)"):
         OverlayStore.open(d, base={}, dim=4, memory_bytes=0)
     other = subprocess.Popen([sys.executable, "-c", _SECOND, str(d)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, cwd=ROOT)
@@ -349,6 +352,20 @@ def test_second_writer_refused(tmp_path):
     OverlayStore.open(d, base={}, dim=4, memory_bytes=0).close()   # released with the process
 
 
+def test_a_store_dropped_unclosed_releases_its_lock(tmp_path):
+    """A store garbage-collected without `close` (a layer deleted in a notebook) releases the directory; its
+    spill files, never flushed, are left to the next open, which deletes them."""
+    d = tmp_path / "ov"
+    store = open_store(d, memory_bytes=0)
+    Model().update(store, torch.arange(10), torch.Generator().manual_seed(1))
+    assert len(dir_files(d)) > 1                               # spilled
+    del store
+    gc.collect()
+    with open_store(d) as again:
+        assert again.num_rows == 0 and again.generation == 0
+    assert dir_files(d) == {LOCK}
+
+
 # ---- damaged files -------------------------------------------------------------------------------------
 def _span(path: Path, key: str) -> tuple[int, int]:
     data = path.read_bytes()
@@ -365,6 +382,17 @@ def _flip(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
+def _two_flushes(d: Path, seed: int, first: torch.Tensor, second: torch.Tensor) -> Model:
+    """An overlay in ``d`` of rows ``first``, flushed, then ``second``, flushed (a segment each); closed."""
+    g = torch.Generator().manual_seed(seed)
+    model = Model()
+    with open_store(d) as store:
+        for ids in (first, second):
+            model.update(store, ids, g)
+            store.flush()
+    return model
+
+
 DAMAGE = ["truncate", "append", "delete", "header", "ids", "rows", "state.exp_avg", "state.exp_avg_sq",
           "manifest", "manifest-truncated"]
 
@@ -373,14 +401,8 @@ DAMAGE = ["truncate", "append", "delete", "header", "ids", "rows", "state.exp_av
 def test_damaged_file_named(tmp_path, damage):
     """A missing, truncated or altered file is a ValueError naming it, at open or before any row of it is
     returned; never a crash or a wrong row."""
-    g = torch.Generator().manual_seed(5)
-    model = Model()
     d = tmp_path / "ov"
-    with open_store(d) as store:
-        model.update(store, torch.arange(200), g)
-        store.flush()
-        model.update(store, torch.arange(150, 170), g)
-        store.flush()
+    model = _two_flushes(d, 5, torch.arange(200), torch.arange(150, 170))
     segs = sorted(manifest_files(d))
     assert len(segs) == 2
     target = d / (MANIFEST if damage.startswith("manifest") else segs[0])
@@ -407,14 +429,8 @@ def test_damaged_file_named(tmp_path, damage):
 def test_damage_found_after_open(tmp_path):
     """A segment whose rows changed after the store was opened: the first lookup of one of its rows checks
     the segment and refuses; rows of other segments still read."""
-    g = torch.Generator().manual_seed(6)
-    model = Model()
     d = tmp_path / "ov"
-    with open_store(d) as store:
-        model.update(store, torch.arange(100), g)
-        store.flush()
-        model.update(store, torch.arange(100, 120), g)
-        store.flush()
+    _two_flushes(d, 6, torch.arange(100), torch.arange(100, 120))
     first = d / sorted(manifest_files(d))[0]
     with open_store(d) as store:
         a, b = _span(first, "rows")
@@ -532,43 +548,20 @@ def test_a_flush_after_many_spills_writes_each_row_about_once(tmp_path):
 
 
 # ---- crashes: injected ---------------------------------------------------------------------------------
-class _Crash(BaseException):
-    """A process death, injected at a file operation (not an Exception: nothing may catch it)."""
-
-
-class _FaultInjector:
-    """Counts os.pwrite / os.fsync / os.replace / os.unlink calls; the ``at``-th one fails (a pwrite writes
-    half its bytes first: a torn write)."""
-
-    def __init__(self, monkeypatch, at: int) -> None:
-        self.count, self.at = 0, at
-        for name in ("pwrite", "fsync", "replace", "unlink"):
-            monkeypatch.setattr(os, name, self._wrap(name, getattr(os, name)))
-
-    def _wrap(self, name, real):
-        def op(*args, **kwargs):
-            self.count += 1
-            if self.count == self.at:
-                if name == "pwrite":
-                    fd, data, offset = args
-                    real(fd, memoryview(data).cast("B")[: len(memoryview(data).cast("B")) // 2], offset)
-                raise _Crash(f"{name} #{self.at}")
-            return real(*args, **kwargs)
-        return op
-
-
 def _crash_scenario(d: Path, model: Model, g: torch.Generator, opened: list) -> OverlayStore:
+    """Updates past the memory budget (rows spill), overwriting most of the template's rows, and a flush:
+    dead rows outnumber live ones, so the flush compacts, retiring the template's durable segments."""
     store = open_store(d, memory_bytes=40 * (row_bytes() + SLOT_OVERHEAD))
     opened.append(store)
     for _ in range(3):
-        model.update(store, torch.randperm(400, generator=g)[:90], g)   # spills, merges
+        model.update(store, torch.randperm(400, generator=g)[:200], g)
     store.flush(meta={"gen": 2})
     return store
 
 
-def _run_crash(tmp_path: Path, template: Path, at: int, monkeypatch) -> bool:
+def _run_crash(tmp_path: Path, template: Path, at: int, monkeypatch) -> FaultInjector:
     """Crash at the ``at``-th file operation of the scenario; check the directory reopens as generation 1
-    or 2, exactly. Returns whether the crash happened (False: the scenario ran to its end)."""
+    or 2, exactly. Returns the injector (its ``count``: the operations done, to the crash; its ``log``)."""
     d = tmp_path / f"crash{at}"
     shutil.copytree(template, d)
     model, g = Model(), torch.Generator().manual_seed(11)
@@ -576,12 +569,11 @@ def _run_crash(tmp_path: Path, template: Path, at: int, monkeypatch) -> bool:
     before = dict(model.rows)
     opened: list[OverlayStore] = []
     with monkeypatch.context() as m:
-        inj = _FaultInjector(m, at)
+        inj = FaultInjector(m, at)
         try:
             _crash_scenario(d, model, g, opened).close()
-            crashed = False
-        except _Crash:
-            crashed = True
+        except Crash:
+            pass
     for store in opened:                                        # a dead process's lock goes with it
         if store._lock is not None:
             store._lock.release()
@@ -589,11 +581,12 @@ def _run_crash(tmp_path: Path, template: Path, at: int, monkeypatch) -> bool:
     with open_store(d) as store:
         gen = store.generation
         assert gen in (1, 2), (at, gen)
+        assert gen == 2 or inj.count >= at, "the flush did not happen but nothing failed"
         if gen == 1:
             model.rows = before
         model.check(store)
     shutil.rmtree(d)
-    return crashed and inj.count >= at
+    return inj
 
 
 _TEMPLATE_ROWS: dict = {}
@@ -612,29 +605,32 @@ def crash_template(tmp_path_factory):
     return d
 
 
-def _count_ops(tmp_path, template, monkeypatch) -> int:
-    d = tmp_path / "count"
-    shutil.copytree(template, d)
-    with monkeypatch.context() as m:
-        inj = _FaultInjector(m, -1)
-        _crash_scenario(d, Model(), torch.Generator().manual_seed(11), []).close()
-    return inj.count
+def test_flush_orders_its_file_operations(tmp_path, crash_template, monkeypatch):
+    """What a kill cannot show (it leaves the page cache): every segment the new manifest names is fsynced, and
+    the directory after its creation, before the manifest's rename; no segment a manifest that may be the one
+    on disk names is deleted before the rename is made durable (`check_flush_order`). The scenario spills,
+    compacts and retires every durable segment of the template, so the crash tests land inside that merge."""
+    inj = _run_crash(tmp_path, crash_template, -1, monkeypatch)
+    order = check_flush_order(inj.log, tmp_path / "crash-1", manifest_files(crash_template))
+    assert order["manifests"] == 1 and order["retired"] == len(manifest_files(crash_template)) > 1
+    written = [p for op, p, _ in inj.log if op == "create" and Path(p).name.startswith("seg-")]
+    assert len(written) > 3                                    # spills, the flush's segment and the compaction's
 
 
 def test_injected_crashes_quick(tmp_path, crash_template, monkeypatch):
-    """A crash at sampled file operations of updates (spills, merges) and a flush, and at each of the flush's
-    last ones (the manifest's switch, the deletions)."""
-    n = _count_ops(tmp_path, crash_template, monkeypatch)
+    """A crash at sampled file operations of updates (spills) and a flush, and at each of the flush's last
+    ones (the compaction's writes, the manifest's switch, the deletions)."""
+    n = _run_crash(tmp_path, crash_template, -1, monkeypatch).count
     assert n > 20
-    for at in sorted(set(range(n - 8, n + 1)) | set(range(1, n, max(1, n // 25)))):     # the flush's end: all
+    for at in sorted(set(range(n - 16, n + 1)) | set(range(1, n, max(1, n // 25)))):     # the flush's end: all
         _run_crash(tmp_path, crash_template, at, monkeypatch)
 
 
 @pytest.mark.deep
 def test_injected_crashes_every_operation(tmp_path, crash_template, monkeypatch):
-    n = _count_ops(tmp_path, crash_template, monkeypatch)
+    n = _run_crash(tmp_path, crash_template, -1, monkeypatch).count
     for at in range(1, n + 1):
-        assert _run_crash(tmp_path, crash_template, at, monkeypatch)
+        assert _run_crash(tmp_path, crash_template, at, monkeypatch).count >= at
 
 
 # ---- crashes: killed -----------------------------------------------------------------------------------
@@ -683,23 +679,14 @@ def _kill_rounds(tmp_path: Path, seed: int, rounds: int) -> list[int]:
     rng = random.Random(seed)
     durable, gens = 0, []
     for r in range(rounds):
-        child = subprocess.Popen([sys.executable, __file__, str(d), str(seed)], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, cwd=ROOT)
-        watchdog = threading.Timer(300, child.kill)           # a hung child fails the test, never hangs it
-        watchdog.start()
-        try:
-            ready = child.stdout.readline().split()
-            if ready[:1] != ["ready"]:
-                pytest.fail(f"the child did not start: {child.communicate()[1]}")
-            assert int(ready[1]) == durable
+        with watched_child(__file__, d, seed) as (child, start):
+            assert start == durable
             first = []
             if r == rounds - 1 or rng.random() < 0.7:         # mostly past a first flush: progress on a busy machine
                 first = child.stdout.readline().split()
             time.sleep(rng.uniform(0.0, 0.6))
             child.kill()
             out, _ = child.communicate()
-        finally:
-            watchdog.cancel()
         last = max([durable] + [int(x) for x in first + out.split()])
         with open_kill_store(d) as store:
             gen = store.meta.get("gen", 0)
