@@ -19,22 +19,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import os
 from dataclasses import dataclass
 from typing import Any, cast
+
+from ._checks.args import choice_arg, float_arg, int_arg
 
 __all__ = ["PLEConfig", "PRESETS"]
 
 
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
 class PLEConfig:
     """Configuration of the PLE layers of one model.
 
-    Invalid values raise ``ValueError`` naming the field. ``eos_token_id`` may be
+    A field of the wrong Python type (a float or a string for an int, a bool for either, ...) raises
+    ``TypeError``, one of the right type out of range ``ValueError``, naming the field (docs/spec.md
+    section 9); numpy integer scalars count as ints and are stored as ints. ``eos_token_id`` may be
     given as a list (the model's convention); its first entry is used.
     ``ple_layer_ids`` are 1-based decoder layer numbers; they are stored sorted and
     unique, and the *PLE index* of a layer is its position in that list.
@@ -86,34 +91,27 @@ class PLEConfig:
         if _is_int(ids):
             ids = (ids,)
         if not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids):
-            raise ValueError(f"ple_layer_ids: expected a list of ints, got {self.ple_layer_ids!r}")
+            raise TypeError(f"ple_layer_ids: expected an int or a list of ints, got {self.ple_layer_ids!r}")
         if any(i < 1 for i in ids):
             raise ValueError(f"ple_layer_ids: expected a list of 1-based layer ids, got {list(ids)}")
-        set_(self, "ple_layer_ids", tuple(sorted(set(ids))))
+        set_(self, "ple_layer_ids", tuple(sorted({int(i) for i in ids})))
 
         positive = (
             "vocab_size", "hidden_size", "hc_count", "ple_embed_dim", "ple_conv_kernel_size",
             "heads_per_ngram", "ngram_vocab_size_base", "make_ngram_vocab_size_divisible_by",
             "split_ngram_parts",
         )
+        minimum = dict(ngram_vocab_size_base=2)
         for name in positive:
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"{name}: expected a positive int, got {value!r}")
-        if not _is_int(self.ngram_size) or self.ngram_size < 2:
-            raise ValueError(f"ngram_size: expected an int >= 2, got {self.ngram_size!r}")
-        if self.ngram_vocab_size_base < 2:
-            raise ValueError(f"ngram_vocab_size_base: expected an int >= 2, got {self.ngram_vocab_size_base}")
-        if not _is_int(self.seed) or self.seed < 0:
-            raise ValueError(f"seed: expected a non-negative int, got {self.seed!r}")
-        if not _is_int(self.eos_token_id) or not 0 <= self.eos_token_id < self.vocab_size:
+            set_(self, name, int_arg(name, getattr(self, name), minimum=minimum.get(name, 1)))
+        set_(self, "ngram_size", int_arg("ngram_size", self.ngram_size, minimum=2))
+        set_(self, "seed", int_arg("seed", self.seed, minimum=0))
+        set_(self, "eos_token_id", int_arg("eos_token_id", self.eos_token_id))
+        if not 0 <= self.eos_token_id < self.vocab_size:
             raise ValueError(
                 f"eos_token_id: expected an int in [0, vocab_size={self.vocab_size}), got {self.eos_token_id!r}"
             )
-        if isinstance(self.rms_norm_eps, bool) or not isinstance(self.rms_norm_eps, (int, float)) \
-                or not 0 < self.rms_norm_eps < float("inf"):
-            raise ValueError(f"rms_norm_eps: expected a positive finite float, got {self.rms_norm_eps!r}")
-        set_(self, "rms_norm_eps", float(self.rms_norm_eps))
+        set_(self, "rms_norm_eps", float_arg("rms_norm_eps", self.rms_norm_eps, above=0, finite=True))
         embed_dim = cast(int, self.ple_embed_dim)       # set above when None
         if self.ple_layer_ids and embed_dim % self.num_ngram_heads != 0:   # as transformers: with PLE
             raise ValueError(
@@ -186,8 +184,7 @@ class PLEConfig:
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> PLEConfig:
         """A named preset (see ``PRESETS``), with fields overridden by keyword."""
-        if name not in PRESETS:
-            raise ValueError(f"name: unknown preset {name!r}; expected one of {sorted(PRESETS)}")
+        choice_arg("name", name, sorted(PRESETS))
         return dataclasses.replace(PRESETS[name], **overrides)
 
     def to_dict(self) -> dict[str, Any]:

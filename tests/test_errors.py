@@ -171,7 +171,7 @@ CONV_CASES = [
         "conv_weights",
     ),
     ("mode-unknown", "prefill", put(mode="chunked"), ValueError, "mode"),
-    ("mode-none", "decode", put(mode=None), ValueError, "mode"),
+    ("mode-none", "decode", put(mode=None), TypeError, "mode"),
     ("dilation-zero", "prefill", put(dilation=0), ValueError, "dilation"),
     ("dilation-float", "spec", put(dilation=2.0), TypeError, "dilation"),
     ("null-slot-str", "prefill", put(null_slot="0"), TypeError, "null_slot"),
@@ -641,7 +641,7 @@ OTHER_CASES = [
     ("gate-norm-query-shape", gate(norm_query_weight=torch.zeros(6, 1)), ValueError, "norm_query_weight"),
     ("gate-norm-conv-int", gate(norm_conv_weight=torch.zeros(6, dtype=I64)), TypeError, "norm_conv_weight"),
     ("gate-eps-zero", gate(eps=0.0), ValueError, "eps"),
-    ("gate-eps-none", gate(eps=None), ValueError, "eps"),
+    ("gate-eps-none", gate(eps=None), TypeError, "eps"),
     ("conv-x-int", dense_conv(x=torch.zeros(2, 5, 3, dtype=I64)), TypeError, "x"),
     ("conv-x-4d", dense_conv(x=torch.zeros(1, 2, 5, 3)), ValueError, "x"),
     ("conv-weight-channels", dense_conv(weight=torch.zeros(4, 2)), ValueError, "weight"),
@@ -777,7 +777,7 @@ def test_index_kind_is_int32_or_int64_only(dtype):
 
 
 def test_value_checks_use_host_values_when_given():
-    # ``host`` hands in values the caller already has (issue 12: the scheduler); they are what is checked.
+    # ``host`` hands in values the caller already has (the scheduler does); they are what is checked.
     from ple import _checks
 
     args = conv_args("prefill")

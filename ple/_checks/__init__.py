@@ -1,10 +1,12 @@
 """Argument validation of every public op, shared by the three backends (docs/spec.md section 9).
 
 Every op validates all of its arguments here before it touches a tensor (so a failed call
-changes nothing); messages start with the argument's name and say what was expected. One
-function per op validates a call and returns its description, a ``NamedTuple`` with the
-host values the op needs: ``ngram_call`` -> `NgramCall` (``ngram_ids``; with ``weight=``,
-``ngram_embedding``), ``lookup_call`` -> `LookupCall`, ``gate_call`` -> `GateCall`,
+changes nothing); messages start with the argument's name and say what was expected. An argument of the
+wrong Python type is a ``TypeError``, one of the right type outside its range or set a ``ValueError``, the same
+on every op: each kind of scalar has one helper in ``args`` (``int_arg``, ``float_arg``, ``bool_arg``,
+``choice_arg``), which says what counts as that kind. One function per op validates a call and returns its
+description, a ``NamedTuple`` with the host values the op needs: ``ngram_call`` -> `NgramCall`
+(``ngram_ids``; with ``weight=``, ``ngram_embedding``), ``lookup_call`` -> `LookupCall`, ``gate_call`` -> `GateCall`,
 ``ple_conv_call`` -> `ConvCall`, ``export_call`` -> `CheckpointCall`, ``dilated_causal_conv_call``
 -> `DilatedCausalConvCall`, ``prefill_call`` (``ple_prefill``: the gate's checks, then the training
 conv's or the serving conv's). Their fields are the host values, named ``<argument>_list``.
@@ -40,6 +42,10 @@ gate), ``conv`` (serving conv, checkpoint export, training conv), ``prefill`` (`
 
 from .args import (
     Host,
+    bool_arg,
+    choice_arg,
+    choices_arg,
+    float_arg,
     full_check,
     host_list,
     host_values,
@@ -88,8 +94,8 @@ from .update import (
     table_update_values,
 )
 
-__all__ = ["Host", "tensor", "index", "int_arg", "host_list", "host_values", "value_range", "offsets_meta",
-           "offsets_values", "offsets_arg", "rows_values", "full_check",
+__all__ = ["Host", "tensor", "index", "int_arg", "float_arg", "bool_arg", "choice_arg", "choices_arg", "host_list",
+           "host_values", "value_range", "offsets_meta", "offsets_values", "offsets_arg", "rows_values", "full_check",
            "NgramCall", "ngram_meta", "ngram_values", "ngram_call", "LookupCall", "lookup_meta", "lookup_values",
            "lookup_call", "GateCall", "gate_call",
            "ConvCall", "ple_conv_meta", "ple_conv_values", "ple_conv_call", "CheckpointCall", "export_meta",

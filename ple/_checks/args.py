@@ -1,10 +1,13 @@
 """The checks every op's validation is made of: one argument's type, rank, dtype kind, device and shape;
-ints; cumulative row offsets; host values (`host_values`, the ``host`` mapping); and `full_check`, which
+scalars, one helper per kind (`int_arg`, `float_arg`, `bool_arg`, `choice_arg`; `choices_arg` for a
+sequence of choices); cumulative row offsets; host values (`host_values`, the ``host`` mapping); and `full_check`, which
 makes an op's ``<op>_call`` from its ``<op>_meta`` and ``<op>_values`` (see the package docstring)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import math
+import numbers
+from collections.abc import Mapping, Sequence, Set
 
 import torch
 
@@ -59,12 +62,81 @@ def index(name: str, t, *, ndim: int = 1, device=None, shape: tuple | None = Non
     return t
 
 
-def int_arg(name: str, value, *, minimum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+# ---- scalars: one helper per kind (docs/spec.md section 9) ---------------------------------------------
+# A wrong Python type is a ``TypeError``; the right type outside its range or set a ``ValueError``; each message
+# starts with the argument's name. Each returns the value as a plain Python scalar.
+#
+# int: a Python int or any ``numbers.Integral`` (numpy's integer scalars), returned as ``int``. Not a bool
+# (``True`` where a count or an index belongs is a mistake, so it is a ``TypeError`` although bool subclasses
+# int), and not a tensor, even a 0-dim one (reading it is a device-to-host copy, which does not trace: pass
+# ``int(t)``). float: any ``numbers.Real`` but a bool (a Python int or float, numpy's scalars), returned as
+# ``float``. bool: ``True`` or ``False`` only (not 0 / 1, not ``numpy.bool_``). A choice: a ``str`` of a fixed
+# set (an int or ``None`` in its place is a ``TypeError``, an unknown string a ``ValueError``).
+
+
+def int_arg(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``value`` as an int in ``[minimum, maximum]`` (``None``: unbounded); see the kinds above."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name}: expected an int, got {type(value).__name__}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name}: expected an int >= {minimum}, got {value}")
+    value = int(value)
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+        want = (f">= {minimum}" if maximum is None else f"<= {maximum}" if minimum is None
+                else f"in [{minimum}, {maximum}]")
+        raise ValueError(f"{name}: expected an int {want}, got {value}")
     return value
+
+
+def float_arg(name: str, value, *, minimum: float | None = None, above: float | None = None,
+              below: float | None = None, finite: bool = False) -> float:
+    """``value`` as a float ``>= minimum``, ``> above`` and ``< below`` (each ``None``: unbounded), finite if
+    ``finite``; NaN fails every bound. See the kinds above."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: expected a float (an int or float), got {type(value).__name__}")
+    x = float(value)
+    bounds = [(minimum, ">=", lambda b: x >= b), (above, ">", lambda b: x > b), (below, "<", lambda b: x < b)]
+    if any(b is not None and not ok(b) for b, _, ok in bounds) or (finite and not math.isfinite(x)):
+        want = " and ".join(f"{op} {b}" for b, op, _ in bounds if b is not None)
+        want = ("a finite float" if finite else "a float") + (f" {want}" if want else "")
+        raise ValueError(f"{name}: expected {want}, got {value!r}")
+    return x
+
+
+def bool_arg(name: str, value) -> bool:
+    """``value``, which must be ``True`` or ``False``; see the kinds above."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected a bool (True or False), got {type(value).__name__}")
+    return value
+
+
+def _one_of(choices: Sequence) -> str:
+    return ", ".join(map(repr, choices))
+
+
+def choice_arg(name: str, value, choices: Sequence[str]) -> str:
+    """``value``, a ``str`` among ``choices``; see the kinds above."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name}: expected one of {_one_of(choices)} (a str), got {type(value).__name__}")
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {_one_of(choices)}, got {value!r}")
+    return value
+
+
+def choices_arg(name: str, values, choices: Sequence, *, kind: type = str, allow_empty: bool = False) -> tuple:
+    """``values``, a sequence (a list, a tuple, ...; not a ``str``, not a single ``kind``) of ``kind`` items
+    among ``choices``, as a tuple: a kit's ``modes``, ``dtypes``, .... Not a sequence, or an item not a
+    ``kind``: a ``TypeError``; an unknown item, or none at all unless ``allow_empty``: a ``ValueError``."""
+    what = f"a sequence of {_one_of(choices)}"
+    if isinstance(values, (str, bytes, kind)) or not isinstance(values, (Sequence, Set)):
+        raise TypeError(f"{name}: expected {what}, got {type(values).__name__} {values!r}")
+    items = tuple(values)
+    wrong = [v for v in items if not isinstance(v, kind)]
+    if wrong:
+        raise TypeError(f"{name}: expected {what}, got {type(wrong[0]).__name__} {wrong[0]!r} among them")
+    unknown = [v for v in items if v not in choices]
+    if unknown or not (items or allow_empty):
+        got = f"unknown {_one_of(unknown)}" if unknown else "none"
+        raise ValueError(f"{name}: expected {what}{', or none' if allow_empty else ''}; got {got}")
+    return items
 
 
 def host_list(t: torch.Tensor) -> list[int]:
@@ -117,10 +189,10 @@ def offsets_arg(name: str, t, *, total: int, device, num_requests: int | None = 
     return offsets_values(name, t, total=total, host=host)
 
 
-def rows_values(t: torch.Tensor, T: int, host: Host, *, distinct: bool) -> list[int]:
+def rows_values(t: torch.Tensor, num_tokens: int, host: Host, *, distinct: bool) -> list[int]:
     rows = host_values("token_indices", t, host).tolist()
-    if any(not 0 <= r < T for r in rows):
-        raise ValueError(f"token_indices: expected rows in [0, {T}), got {rows}")
+    if any(not 0 <= r < num_tokens for r in rows):
+        raise ValueError(f"token_indices: expected rows in [0, {num_tokens}), got {rows}")
     if distinct and len(set(rows)) != len(rows):
         raise ValueError("token_indices: expected distinct rows, got repeats")
     return rows

@@ -5,7 +5,18 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from .args import Host, full_check, host_values, index, int_arg, offsets_meta, offsets_values, rows_values, tensor
+from .args import (
+    Host,
+    choice_arg,
+    full_check,
+    host_values,
+    index,
+    int_arg,
+    offsets_meta,
+    offsets_values,
+    rows_values,
+    tensor,
+)
 
 
 class ConvCall(NamedTuple):
@@ -33,8 +44,7 @@ def ple_conv_meta(inputs, residual, conv_state, conv_weights, state_indices, *, 
             raise TypeError(f"outer_residual: expected dtype {inputs.dtype}, got {outer_residual.dtype}")
     tensor("conv_state", conv_state, ndim=3, kind="float", device=dev, shape=(None, C, None))
     tensor("conv_weights", conv_weights, ndim=2, kind="float", device=dev, shape=(C, None))
-    if not isinstance(mode, str) or mode not in ("prefill", "decode", "spec"):
-        raise ValueError(f"mode: expected 'prefill', 'decode' or 'spec', got {mode!r}")
+    choice_arg("mode", mode, ("prefill", "decode", "spec"))
     int_arg("dilation", dilation, minimum=1)
     int_arg("null_slot", null_slot)
     K = conv_weights.shape[1]

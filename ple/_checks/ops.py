@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from ..params import HashParams
-from .args import Host, full_check, host_values, index, int_arg, offsets_meta, offsets_values, tensor, value_range
+from . import args
+from .args import Host, float_arg, full_check, host_values, index, int_arg, tensor, value_range
 
 
 class NgramCall(NamedTuple):
@@ -30,7 +31,7 @@ def ngram_meta(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc
     if not 0 <= eos_token_id < V:
         raise ValueError(f"eos_token_id: expected an id in [0, {V}), got {eos_token_id}")
     dev = input_ids.device
-    R = 1 if query_start_loc is None else offsets_meta("query_start_loc", query_start_loc, device=dev)
+    R = 1 if query_start_loc is None else args.offsets_meta("query_start_loc", query_start_loc, device=dev)
     if ngram_context is not None:
         index("ngram_context", ngram_context, ndim=2, device=dev, shape=(R, N - 1))
     if weight is not None:
@@ -44,7 +45,7 @@ def ngram_values(input_ids, params, heads_per_ngram, eos_token_id, query_start_l
     (docs/spec.md section 3)."""
     T, V = input_ids.numel(), params.vocab_size
     query_start_loc_list = ([0, T] if query_start_loc is None
-                            else offsets_values("query_start_loc", query_start_loc, total=T, host=host))
+                            else args.offsets_values("query_start_loc", query_start_loc, total=T, host=host))
     if ngram_context is not None:
         value_range("ngram_context", host_values("ngram_context", ngram_context, host), V, "token ids")
     value_range("input_ids", host_values("input_ids", input_ids, host), V, "token ids")
@@ -100,6 +101,5 @@ def gate_call(key, value, hidden_states, norm_key_weight, norm_query_weight, nor
     for name, w in (("norm_key_weight", norm_key_weight), ("norm_query_weight", norm_query_weight),
                     ("norm_conv_weight", norm_conv_weight)):
         tensor(name, w, kind="float", device=dev, shape=(C,))
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps: expected a positive float, got {eps!r}")
+    float_arg("eps", eps, above=0)
     return GateCall(T, C, value.shape[1])

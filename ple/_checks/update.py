@@ -2,40 +2,30 @@
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 
-from .args import Host, full_check, host_values, index, int_arg, tensor, value_range
+from .args import Host, choice_arg, float_arg, full_check, host_values, index, int_arg, tensor, value_range
 
 _RULES = ("sgd", "adagrad", "adam")
 
 
-def _real(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name}: expected a float, got {type(value).__name__}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name}: expected a finite number, got {value}")
-    return float(value)
-
-
 def hyperparameters(rule: str, lr, weight_decay, eps, betas) -> None:
-    """``rule`` known; ``lr >= 0``, ``weight_decay >= 0``, ``eps > 0``, each beta in ``[0, 1)`` (a ``ValueError``
-    naming the argument; a non-number a ``TypeError``)."""
-    if rule not in _RULES:
-        raise ValueError(f"rule: expected one of {_RULES}, got {rule!r}")
-    if _real("lr", lr) < 0:
-        raise ValueError(f"lr: expected lr >= 0, got {lr}")
-    if _real("weight_decay", weight_decay) < 0:
-        raise ValueError(f"weight_decay: expected weight_decay >= 0, got {weight_decay}")
-    if _real("eps", eps) <= 0:
-        raise ValueError(f"eps: expected eps > 0, got {eps}")
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise TypeError(f"betas: expected a pair (beta1, beta2), got {betas!r}")
+    """``rule`` one of ``"sgd"``, ``"adagrad"``, ``"adam"``; finite ``lr >= 0``, ``weight_decay >= 0`` and ``eps > 0``;
+    ``betas`` a pair (a tuple or list of two), each in ``[0, 1)``. A wrong Python type (a non-string rule, a
+    non-number, ``betas`` not a tuple or list) is a ``TypeError``, a value out of range (a pair of another length
+    too) a ``ValueError``, naming the argument (``betas[i]`` for one beta)."""
+    choice_arg("rule", rule, _RULES)
+    float_arg("lr", lr, minimum=0, finite=True)
+    float_arg("weight_decay", weight_decay, minimum=0, finite=True)
+    float_arg("eps", eps, above=0, finite=True)
+    if not isinstance(betas, (tuple, list)):
+        raise TypeError(f"betas: expected a pair (beta1, beta2), a tuple or list, got {type(betas).__name__}")
+    if len(betas) != 2:
+        raise ValueError(f"betas: expected a pair (beta1, beta2), got {len(betas)} values: {betas!r}")
     for i, b in enumerate(betas):
-        if not 0.0 <= _real(f"betas[{i}]", b) < 1.0:
-            raise ValueError(f"betas: expected each beta in [0, 1), got betas[{i}] = {b}")
+        float_arg(f"betas[{i}]", b, minimum=0, below=1, finite=True)
 
 
 def state_shapes(rule: str, rows: int, dim: int) -> tuple[tuple[int, ...], ...]:

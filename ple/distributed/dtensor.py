@@ -49,6 +49,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ParallelStyle
 from torch.distributed.tensor.placement_types import Placement
 
+from .. import _checks
 from .comm import Comm, GroupLike, as_comm
 from .table import PLACEMENTS, shard_table_, table_placement
 
@@ -86,9 +87,7 @@ class TableRowwise(ParallelStyle):
     def __init__(self, *, input_layouts: Placement | None = None, reduce: str = "mean") -> None:
         super().__init__()
         self.tokens = _token_layout(input_layouts)
-        if reduce not in ("mean", "sum"):
-            raise ValueError(f"reduce: expected 'mean' or 'sum', got {reduce!r}")
-        self.reduce = reduce
+        self.reduce = _checks.choice_arg("reduce", reduce, ("mean", "sum"))
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return shard_table_(module, device_mesh, self.placement, tokens=self.tokens, reduce=self.reduce,

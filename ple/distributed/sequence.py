@@ -95,8 +95,10 @@ def _embed(layer, ids: torch.Tensor, dtype: torch.dtype, counts: list[int], comm
 
 def _host_offsets(name: str, values, total: int | None = None) -> list[int]:
     """Offsets given on the host (a list or tuple of ints): validated without touching a device."""
-    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values) or len(values) < 1:
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
         raise TypeError(f"{name}: expected a list of ints or an int tensor, got {values!r}")
+    if len(values) < 1:
+        raise ValueError(f"{name}: expected at least one offset (0), got {values!r}")
     q = list(values)
     if q[0] != 0 or any(b < a for a, b in zip(q, q[1:])):
         raise ValueError(f"{name}: expected non-decreasing offsets from 0, got {q}")

@@ -277,6 +277,13 @@ _ngram_ids_op = register("ngram_ids", _ngram_ids_impl, fake=_ngram_ids_fake)
 def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: int, eos_token_id: int,
               query_start_loc: torch.Tensor | None = None,
               ngram_context: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
+    """One kernel (``_ngram_kernel``, a program per 64 tokens): each token finds its request by a binary search over
+    ``query_start_loc`` on the device, reads its window from the chunk or its ``ngram_context`` with the EOS rule,
+    and hashes every head in int64 (Triton's truncating ``%`` moved up to the floor remainder). Registered as
+    ``torch.ops.ple.ngram_ids``: the public function checks the metadata, the op the values at run time, reading the
+    tokens and offsets on the host (``validate=True``); with ``validate=False`` the launch needs only shapes, so
+    nothing is read back. CPU tensors are refused (``ValueError``) while the kernels are compiled; under
+    ``TRITON_INTERPRET=1`` they run on the CPU."""
     _checks.ngram_meta(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
     return _ngram_ids_op(input_ids, params.multipliers, params.head_sizes, params.head_offsets, params.vocab_size,
                          heads_per_ngram, eos_token_id, query_start_loc, ngram_context, bool(validate))
@@ -340,6 +347,14 @@ _ngram_embedding_op = register("ngram_embedding", _ngram_embedding_impl, fake=_n
 def ngram_embedding(weight: torch.Tensor, input_ids: torch.Tensor, params: HashParams, *,
                     heads_per_ngram: int, eos_token_id: int, query_start_loc: torch.Tensor | None = None,
                     ngram_context: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
+    """Fused: the ``ngram_ids`` kernel with the table gather on hashes and gathers in one pass, so the ids are never
+    written to memory (a gather is a copy: the composition's bits). Backward
+    (``torch.ops.ple.ngram_embedding_backward``): the hash again, then ``embedding_lookup``'s backward (atomics into
+    a float32 (float64 for a float64 table) buffer, or under ``torch.use_deterministic_algorithms(True)`` the
+    sorted, token-order sum), a dense ``[rows, D]`` gradient. Registered as ``torch.ops.ple.ngram_embedding``: the
+    values (tokens, offsets, the table's row count) are checked inside the op unless ``validate=False``, which reads
+    nothing back. An NF4 table's rows: ``ngram_embedding_nf4``. CPU tensors are refused (``ValueError``) while the
+    kernels are compiled; under ``TRITON_INTERPRET=1`` they run on the CPU."""
     _checks.ngram_meta(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context,
                        weight=weight)
     return _ngram_embedding_op(weight, input_ids, params.multipliers, params.head_sizes, params.head_offsets,
@@ -397,14 +412,16 @@ def ngram_embedding_nf4(weight: torch.Tensor, input_ids: torch.Tensor, params: H
         ``[T, NH * D]`` in ``dtype``.
 
     Raises:
-        TypeError: ``dtype`` is not a float dtype; the arguments of ``ngram_embedding``.
-        ValueError: ``weight`` is not uint8 ``[rows, D/2 + 4]`` with D even and at least 2; as
+        TypeError: ``dtype`` is not a float dtype; ``weight`` is not uint8; the arguments of ``ngram_embedding``.
+        ValueError: ``weight`` is not ``[rows, D/2 + 4]`` with D even and at least 2; as
             ``ngram_embedding``.
     """
     check_runnable("ngram_embedding_nf4", (weight, input_ids), {})
     _checks.ngram_meta(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context,
                        weight=weight)
-    if weight.dtype != torch.uint8 or weight.shape[1] < 5:
+    if weight.dtype != torch.uint8:
+        raise TypeError(f"weight: expected NF4 rows, uint8 [rows, D/2 + 4], got dtype {weight.dtype}")
+    if weight.shape[1] < 5:
         raise ValueError(f"weight: expected NF4 rows, uint8 [rows, D/2 + 4] with D >= 2 even, got {weight.dtype} "
                          f"{tuple(weight.shape)}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast, overload
 import torch
 
 from .. import _checks
+from .._deprecation import deprecated_parameter
 from ..config import PLEConfig
 from ..layer import PLELayer
 from ..quant import Scheme, nf4_unpack
@@ -43,14 +44,29 @@ from .layout import (
 )
 
 if TYPE_CHECKING:
-    from typing import TypeAlias
+    from typing import TypeAlias, TypedDict
 
     from torch.types import Device
+    from typing_extensions import Unpack
 
     from .files import CheckpointSource, ConfigSource
 
     # What ``offload=`` takes: False (the table on ``device``), True / "host" (host memory), "disk" (its files).
     Offload: TypeAlias = "bool | Literal['host', 'disk']"
+
+    class _LoadOptions(TypedDict, total=False):
+        """`load_layer`'s keyword arguments but ``return_report``, for its overloads (the defaults: its own)."""
+
+        prefix: str | None
+        backend: str
+        device: Device
+        dtype: torch.dtype | None
+        offload: Offload
+        cache_bytes: int | None
+        block_bytes: int
+        overlay: str | os.PathLike[str] | None
+        overlay_bytes: int | None
+        overlay_dtype: torch.dtype | None
 
 __all__ = ["LoadReport", "load_layer", "load_layers", "resolve_config", "select_prefix", "identify_index",
            "read_table", "read_table_rows", "table_blocks", "CONFIG_METADATA_KEY", "BLOCK_BYTES"]
@@ -155,7 +171,7 @@ def select_prefix(ckpt: Checkpoint, config: PLEConfig, ple_layer_index: int,
 
 
 # ---- reading ------------------------------------------------------------------------------------
-def _block_rows(row_bytes: int, block_bytes: int) -> int:
+def _rows_per_block(row_bytes: int, block_bytes: int) -> int:
     return max(1, block_bytes // max(row_bytes, 1))
 
 
@@ -184,17 +200,19 @@ def _check_nf4_scales(ckpt: Checkpoint, key: str, rows: torch.Tensor, first: int
                          f"{ckpt.info(key).file})")
 
 
+@deprecated_parameter("block_rows", "rows_per_block", since="0.1.0")
 def table_blocks(ckpt: Checkpoint, plan: LayerPlan, start: int, stop: int,
-                 block_rows: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
-    """Rows ``[start, stop)`` of the table of ``plan``, in row order and blocks of at most ``block_rows``:
+                 rows_per_block: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor | None]]:
+    """Rows ``[start, stop)`` of the table of ``plan``, in row order and blocks of at most ``rows_per_block``
+    (the keyword ``block_rows=`` still works and warns: deprecated):
     ``(first row, values, per-row scales [n, 1] or None)``. Only the shards holding those rows are read,
     and of them only those rows. NF4 ``values`` are the packed rows ``[n, D/2 + 4]``; each block's
     float16 scales are checked finite as it is read (else a ``ValueError`` naming the key, row and file)."""
     packed = plan.scheme is not None and plan.scheme.packed
     for piece in plan.pieces:
         a, b = max(start, piece.start), min(stop, piece.stop)
-        for lo in range(a, b, max(block_rows, 1)):
-            hi = min(lo + block_rows, b)
+        for lo in range(a, b, max(rows_per_block, 1)):
+            hi = min(lo + rows_per_block, b)
             values = ckpt.read(piece.key, lo - piece.start, hi - piece.start)
             if packed:
                 _check_nf4_scales(ckpt, piece.key, values, lo - piece.start)
@@ -219,7 +237,7 @@ def _read_rows(ckpt: Checkpoint, plan: LayerPlan, start: int, stop: int, *, dtyp
     elif plan.scheme is not None:                       # fp8: its per-tensor scale (checked by plan_layer)
         # A copy: what the library reads may be a view of its mapping of the file (Checkpoint.read).
         scale = ckpt.read(cast(str, plan.scale_key)).reshape(1).to(device, copy=True)
-    n = _block_rows(width * plan.table_dtype.itemsize, block_bytes)
+    n = _rows_per_block(width * plan.table_dtype.itemsize, block_bytes)
     for a, values, row_scale in table_blocks(ckpt, plan, start, stop, n):
         weight[a - start: a - start + values.shape[0]].copy_(values)
         if row_scale is not None:                       # per-row scales: scale was made above
@@ -317,18 +335,10 @@ def _state_dict(ckpt: Checkpoint, plan: LayerPlan, *, device: torch.device, dtyp
 
 @overload
 def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_index: int = 0, *,
-               prefix: str | None = None, backend: str = "reference", device: Device = None,
-               dtype: torch.dtype | None = None, offload: Offload = False, cache_bytes: int | None = None,
-               block_bytes: int = BLOCK_BYTES, overlay: str | os.PathLike[str] | None = None,
-               overlay_bytes: int | None = None, overlay_dtype: torch.dtype | None = None,
-               return_report: Literal[False] = False) -> PLELayer: ...
+               return_report: Literal[False] = False, **options: Unpack[_LoadOptions]) -> PLELayer: ...
 @overload
 def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_index: int = 0, *,
-               prefix: str | None = None, backend: str = "reference", device: Device = None,
-               dtype: torch.dtype | None = None, offload: Offload = False, cache_bytes: int | None = None,
-               block_bytes: int = BLOCK_BYTES, overlay: str | os.PathLike[str] | None = None,
-               overlay_bytes: int | None = None, overlay_dtype: torch.dtype | None = None,
-               return_report: Literal[True]) -> tuple[PLELayer, LoadReport]: ...
+               return_report: Literal[True], **options: Unpack[_LoadOptions]) -> tuple[PLELayer, LoadReport]: ...
 def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_index: int = 0, *,
                prefix: str | None = None, backend: str = "reference", device: Device = None,
                dtype: torch.dtype | None = None, offload: Offload = False, cache_bytes: int | None = None,
@@ -366,7 +376,7 @@ def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_in
     hot rows (default ``ple.io.disk.DISK_CACHE_BYTES``, 256 MiB; 0: none): the table is a
     ``ple.io.disk.DiskTable``, whose rows are those of the in-memory table bit for bit and
     are never all read (``table.stats()`` counts what is).
-    ``overlay=DIR`` (with ``offload="disk"``): the table trains (SPEC 12, ``ple.io.disk_train``): a row
+    ``overlay=DIR`` (with ``offload="disk"``): the table trains (docs/spec.md 12, ``ple.io.disk_train``): a row
     optimizer (``ple.optim``) writes the rows it changes, and their state, to an overlay in DIR (kept in memory
     up to ``overlay_bytes``, default ``ple.io.disk_train.OVERLAY_BYTES``, 1 GiB; spilled to files in DIR
     beyond it), never to the checkpoint's files; ``layer.table.flush()`` makes it durable, and an existing
@@ -374,11 +384,18 @@ def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_in
     of its rows (default: the table's dtype for a float table, so training equals the in-memory table's bit
     for bit; bfloat16 for an FP8, int8 or NF4 table, whose rows are dequantized at their first update). An
     overlay made on another base (config, files or rows) is a ``ValueError`` naming it, and one another
-    process has open is a ``RuntimeError``.
+    process has open is a ``RuntimeError`` (one this process still holds names the way out,
+    ``layer.table.close()``). ``with load_layer(..., overlay=DIR) as layer:`` flushes and closes at the end of
+    the block (only closes after an exception); ``layer.table.close()`` closes without flushing; a layer
+    garbage-collected releases the overlay's lock. Over a float base, ``layer.to(dtype)`` to another float dtype
+    is a ``ValueError`` naming ``dtype`` (the overlay's rows keep theirs).
     Returns the layer, or ``(layer, LoadReport)`` with ``return_report``.
     """
     if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
         raise TypeError(f"dtype: expected a torch float dtype, got {dtype!r}")
+    if not isinstance(offload, (bool, str)):
+        raise TypeError(f"offload: expected False, True or 'host' (host memory), or 'disk' (read from the "
+                        f"checkpoint's files), got {type(offload).__name__}")
     if not isinstance(offload, bool) and offload not in ("host", "disk"):
         raise ValueError(f"offload: expected False, True or 'host' (host memory), or 'disk' (read from the "
                          f"checkpoint's files), got {offload!r}")
@@ -413,7 +430,7 @@ def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_in
     if disk:
         table = DiskTable.from_checkpoint(ckpt, plan, dtype=dtype, device=device,
                                           cache_bytes=DISK_CACHE_BYTES if cache_bytes is None else cache_bytes,
-                                          block_rows=_block_rows(4, block_bytes))
+                                          rows_per_block=_rows_per_block(4, block_bytes))
         sd = _state_dict(ckpt, plan, device=device, dtype=dtype, table_device=table_device, pin=pin,
                          block_bytes=block_bytes, table=False)
         if table.scale is not None:

@@ -18,6 +18,8 @@ __all__ = ["register"]
 
 def _config(text: str) -> PLEConfig:
     if text.endswith(".json") or Path(text).is_file():
+        if not Path(text).is_file():          # a usage error (one line, exit 2), not an OSError's traceback
+            raise ValueError(f"--config: no file {text}")
         return PLEConfig.from_json(text)
     return PLEConfig.preset(text)
 

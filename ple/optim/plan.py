@@ -30,7 +30,7 @@ from ..reference.hashing import hash_params
 
 __all__ = ["MemoryPlan", "plan", "parse_bytes"]
 
-_STATE_ROW = {"sgd": lambda D: 0, "adagrad": lambda D: 4, "adam": lambda D: 4 * D + 4}
+_STATE_ROW = {"sgd": lambda dim: 0, "adagrad": lambda dim: 4, "adam": lambda dim: 4 * dim + 4}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -124,10 +124,11 @@ def plan(config: PLEConfig | str, table_dtype: str = "bfloat16", rule: str = "ad
         config = PLEConfig.preset(config)
     if not isinstance(config, PLEConfig):
         raise TypeError(f"config: expected a PLEConfig or a preset name, got {type(config).__name__}")
-    if table_dtype not in _DTYPES:
+    if isinstance(table_dtype, str) and table_dtype not in _DTYPES:
         raise ValueError(f"table_dtype: a trained table is float: one of {sorted(_DTYPES)}; got {table_dtype!r}")
-    if rule not in _STATE_ROW:
-        raise ValueError(f"rule: expected one of {sorted(_STATE_ROW)}, got {rule!r}")
+    _checks.choice_arg("table_dtype", table_dtype, sorted(_DTYPES))      # not a str (a torch.dtype too): TypeError
+    _checks.choice_arg("rule", rule, tuple(_STATE_ROW))
+    _checks.bool_arg("fused", fused)
     _checks.int_arg("world_size", world_size, minimum=1)
     _checks.int_arg("tokens", tokens, minimum=0)
     if isinstance(device_memory, str):

@@ -135,8 +135,7 @@ class RowOptimizer(torch.optim.Optimizer):
         if type(self) is RowOptimizer:
             raise TypeError("RowOptimizer: use SparseSGD, RowwiseAdagrad or RowwiseAdam")
         _checks.hyperparameters(self.rule, lr, weight_decay, eps, betas)
-        if not isinstance(fused, bool):
-            raise TypeError(f"fused: expected a bool, got {type(fused).__name__}")
+        _checks.bool_arg("fused", fused)
         tables = _tables(params)
         for t in tables:
             _check_trainable(t)
@@ -264,8 +263,7 @@ class RowOptimizer(torch.optim.Optimizer):
                 step = st.get("step", 0)
                 if isinstance(step, torch.Tensor):
                     step = int(step.item())
-                if not isinstance(step, int) or step < 0:
-                    raise ValueError(f"state_dict: table {index}'s step should be an int >= 0, got {step!r}")
+                step = _checks.int_arg(f"state_dict: table {index}'s step", step, minimum=0)
                 plan.append((w, st, step))
                 index += 1
         for w, st, step in plan:

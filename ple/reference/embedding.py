@@ -152,15 +152,17 @@ def nf4_dequantize_rows(rows: torch.Tensor, dim: int, dtype: torch.dtype) -> tor
         dtype: the output dtype.
 
     Raises:
-        ValueError: ``rows`` is not uint8 ``[T, NH * (D/2 + 4)]``; ``dim`` is odd or below 2.
+        TypeError: ``rows`` is not a uint8 tensor; ``dim`` is not an int.
+        ValueError: ``rows`` is not ``[T, NH * (D/2 + 4)]``; ``dim`` is odd or below 2.
     """
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2 or dim % 2:
+    if _checks.int_arg("dim", dim) < 2 or dim % 2:
         raise ValueError(f"dim: expected an even number of values per row, at least 2; got {dim!r}")
     width = dim // 2 + 4                                   # bytes of one stored row
-    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8 or rows.dim() != 2 \
-            or rows.shape[1] % width:
-        what = f"{rows.dtype} {tuple(rows.shape)}" if isinstance(rows, torch.Tensor) else type(rows).__name__
-        raise ValueError(f"rows: expected uint8 [T, NH * {width}] (NF4 rows of D = {dim}), got {what}")
+    if not isinstance(rows, torch.Tensor) or rows.dtype != torch.uint8:
+        what = rows.dtype if isinstance(rows, torch.Tensor) else type(rows).__name__
+        raise TypeError(f"rows: expected a uint8 tensor (NF4 rows of D = {dim}), got {what}")
+    if rows.dim() != 2 or rows.shape[1] % width:
+        raise ValueError(f"rows: expected uint8 [T, NH * {width}] (NF4 rows of D = {dim}), got {tuple(rows.shape)}")
     T = rows.shape[0]
     NH = rows.shape[1] // width
     stored = rows.reshape(T * NH, width).long()            # one stored row per line, bytes as integers

@@ -52,10 +52,11 @@ def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, group_size: int, eps
         ``[..., C]`` in ``x``'s dtype.
 
     Raises:
-        TypeError: ``x`` or ``weight`` is not a floating-point tensor; ``group_size`` is not an int.
+        TypeError: ``x`` or ``weight`` is not a floating-point tensor; ``group_size`` is not an int; ``eps`` is
+            not a number (a bool counts as neither).
         ValueError: ``x`` has no dimension; ``weight`` is not ``[C]`` or is on another device than ``x``.
         ValueError: ``group_size`` is below 1 or does not divide C.
-        ValueError: ``eps`` is not a positive number.
+        ValueError: ``eps`` is not positive.
 
     Example::
 
@@ -70,8 +71,7 @@ def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, group_size: int, eps
     _checks.int_arg("group_size", group_size, minimum=1)
     if C % group_size:
         raise ValueError(f"group_size: expected a divisor of C={C}, got {group_size}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-        raise ValueError(f"eps: expected a positive float, got {eps!r}")
+    _checks.float_arg("eps", eps, above=0)
     return _grouped_rms_norm(x, weight, group_size, eps)
 
 
@@ -110,12 +110,12 @@ def ple_gate(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor
 
     Raises:
         TypeError: ``key``, ``value``, ``hidden_states`` or a norm weight is not a floating-point tensor;
-            ``value`` or ``hidden_states`` has another dtype than ``key``.
+            ``value`` or ``hidden_states`` has another dtype than ``key``; ``eps`` is not a number.
         ValueError: ``key`` is not 2-D.
         ValueError: ``value`` is not ``[T, H]`` with H a positive divisor of C, or is on another device.
         ValueError: ``hidden_states`` is not ``[T, C]``, or is on another device.
         ValueError: a norm weight is not ``[C]``, or is on another device.
-        ValueError: ``eps`` is not a positive number.
+        ValueError: ``eps`` is not positive.
 
     Example::
 

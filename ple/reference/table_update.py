@@ -73,9 +73,12 @@ def table_update(weight: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor, st
 
     Raises:
         TypeError: a tensor of the wrong kind (``weight`` not float, ``ids`` not int32 / int64,
-            ``grad`` not float, ``state`` not a tuple of float32 tensors).
+            ``grad`` not float, ``state`` not a tuple of float32 tensors); an argument of the wrong Python
+            type (``rule`` not a str, ``lr``, ``weight_decay``, ``eps`` or a beta not a number, ``betas`` not
+            a tuple or list, ``step`` not an int).
         ValueError: a shape or device mismatch, an id outside ``[0, rows)``, an unknown ``rule``,
-            ``lr < 0``, ``weight_decay < 0``, ``eps <= 0``, ``betas`` outside ``[0, 1)``, ``step < 1``.
+            ``lr < 0``, ``weight_decay < 0``, ``eps <= 0``, a hyperparameter not finite, ``betas`` not two
+            values in ``[0, 1)``, ``step < 1``.
             Nothing is modified then.
     """
     (_checks.table_update_call if validate else _checks.table_update_meta)(weight, ids, grad, state, rule, lr,

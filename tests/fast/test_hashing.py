@@ -260,7 +260,7 @@ def test_ngram_embedding_nf4_refuses_bad_arguments():
     from ple.fast import ngram_embedding_nf4
     params, kw = tiny_hash_setup()
     tokens = torch.tensor([1, 2])
-    with pytest.raises(ValueError, match="^weight: expected NF4 rows"):
+    with pytest.raises(TypeError, match="^weight: expected NF4 rows"):          # float rows: the wrong dtype
         ngram_embedding_nf4(torch.zeros(params.num_rows, 6), tokens, params, dtype=torch.float32, **kw)
     with pytest.raises(ValueError, match="^weight: expected NF4 rows"):
         ngram_embedding_nf4(torch.zeros(params.num_rows, 4, dtype=torch.uint8), tokens, params,

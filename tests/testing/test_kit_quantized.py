@@ -52,8 +52,8 @@ def test_the_fast_lookups_pass_on_nf4_tables(op):
 
 def test_schemes_are_checked():
     assert as_schemes(()) == () and as_schemes(["nf4", "fp8"]) == ("nf4", "fp8")
-    for bad in ("nf4", ["nf4", "q4"], [4]):
-        with pytest.raises(ValueError, match="^schemes: "):
+    for bad, err in (("nf4", TypeError), (["nf4", "q4"], ValueError), ([4], TypeError)):
+        with pytest.raises(err, match="^schemes: "):
             check_embedding_lookup(ref.embedding_lookup, schemes=bad)
 
 

@@ -47,11 +47,13 @@ def test_both_backends_pass_many_cases():
 
 
 def test_options_are_checked():
-    for bad in ("adam", (), ["adam", "lion"]):
-        with pytest.raises(ValueError, match="^rules: "):
+    # A wrong Python type (a single name or dtype where a sequence belongs) is a TypeError, an unknown or missing
+    # choice a ValueError; tests/test_error_types.py drives every option of every check.
+    for bad, err in (("adam", TypeError), ((), ValueError), (["adam", "lion"], ValueError)):
+        with pytest.raises(err, match="^rules: "):
             check_table_update(ref.table_update, rules=bad)
-    for bad in ((), (torch.int32,), torch.float32):
-        with pytest.raises(ValueError, match="^dtypes: "):
+    for bad, err in (((), ValueError), ((torch.int32,), ValueError), (torch.float32, TypeError)):
+        with pytest.raises(err, match="^dtypes: "):
             check_table_update(ref.table_update, dtypes=bad)
 
 

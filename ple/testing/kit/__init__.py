@@ -16,7 +16,7 @@ and checkpoints), ``prefill`` (the fused prefill), ``layer``; ``cases`` (the ten
 build their cases from, for tests that draw cases of their own); ``quantized`` (the FP8, int8
 and NF4 tables the lookup checks gather, and how their rows are judged); ``update`` (the row
 optimizers' step, its float64 ``oracle`` and ``assert_near_oracle``); ``_report`` (the comparisons and
-failure messages).
+failure messages); ``_options`` (the checks' keyword options, checked before any case runs).
 """
 
 from ._report import poisoned_empty

@@ -23,7 +23,9 @@ import torch
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
+from ... import _checks
 from ... import reference as ref
+from ._options import check_options
 from ._report import compare_bits, compare_close, poisoned_empty, row_of
 from .cases import (
     HALF_DTYPES,
@@ -201,9 +203,9 @@ def check_ple_conv(fn: Callable[..., Any], *, modes: Sequence[str] = MODES, dtyp
     ``max_examples`` cases per mode; ``seed`` fixes the draw (None: Hypothesis's own randomness).
     Usable inside a pytest test.
     """
+    check_options(dtypes=dtypes, max_channels=max_channels, max_examples=max_examples, seed=seed)
+    modes = _checks.choices_arg("modes", modes, MODES)
     for mode in modes:
-        if mode not in MODES:
-            raise ValueError(f"modes: expected some of {MODES}, got {mode!r}")
 
         @given(case=conv_cases(mode, max_channels=max_channels, dtypes=dtypes))
         @_settings(max_examples, seed)
@@ -292,6 +294,7 @@ def check_export_conv_checkpoints(fn: Callable[..., Any], *, dtypes: Sequence[to
                                   max_examples: int = 25, seed: int | None = 0) -> None:
     """Check ``fn`` (the signature of ``ple.reference.export_conv_checkpoints``) against the reference:
     the whole state buffer bit for bit; see `check_ple_conv` for the options and the failure message."""
+    check_options(dtypes=dtypes, max_channels=max_channels, max_examples=max_examples, seed=seed)
 
     @given(case=export_cases(max_channels=max_channels, dtypes=dtypes))
     @_settings(max_examples, seed)

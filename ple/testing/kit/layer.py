@@ -37,6 +37,7 @@ from ...state import PLECache
 from ..layers import random_layer
 from ..serving import Action, check_replay, random_script, replay
 from ..strategies import configs
+from ._options import check_options
 from ._report import compare_close, fmt_case
 from .conv import _seeded, _settings
 
@@ -155,6 +156,8 @@ def check_layer(ops: object, *, dtypes: Sequence[torch.dtype] = (torch.float32, 
     stream width; ``max_examples`` cases, ``seed`` fixes the draw (None: Hypothesis's own
     randomness). Returns quietly or raises ``AssertionError`` naming the part and the smallest
     case."""
+    check_options(dtypes=dtypes, max_hidden=max_hidden, grad=grad, serving=serving, max_examples=max_examples,
+                  seed=seed)
     @given(case=_layer_cases(dtypes, max_hidden))
     @_settings(max_examples, seed)
     def prop(case):

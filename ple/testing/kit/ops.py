@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from ... import reference as ref
 from ...config import PLEConfig
 from ..strategies import configs, varlen_batches
+from ._options import check_options
 from ._report import compare_bits, compare_close, poisoned_empty, row_of
 from .cases import HALF_DTYPES, randn, to64
 from .conv import DTYPES, _seeded, _settings
@@ -71,6 +72,7 @@ def _ngram_cases(draw, max_requests):
 def check_ngram_ids(fn: Callable[..., Any], *, max_examples: int = 25, max_requests: int = 4,
                     seed: int | None = 0) -> None:
     """Check ``fn`` (the signature of ``ple.reference.ngram_ids``): the ``[T, NH]`` ids, exactly."""
+    check_options(max_examples=max_examples, max_requests=max_requests, seed=seed)
     def body(case):
         c: PLEConfig = case["config"]
         params = ref.hash_params(c, case["ple_layer_index"])
@@ -127,6 +129,8 @@ def check_ngram_embedding(fn: Callable[..., Any], *,
     stored rows, ``embedding_lookup(weight, ngram_ids(...))``, bit for bit, and their values unpacked
     in each of ``dtypes`` are the table's; no gradient.
     """
+    check_options(dtypes=dtypes, max_dim=max_dim, max_requests=max_requests, grad=grad, max_examples=max_examples,
+                  seed=seed)
     schemes = as_schemes(schemes)
 
     def body(case):
@@ -206,6 +210,7 @@ def check_embedding_lookup(fn: Callable[..., Any], *, dtypes: Sequence[torch.dty
     dtype, bit for bit, and so must the values they stand for, unpacked in each of ``dtypes``
     (NF4 by ``ple.reference.nf4_dequantize_rows``); no gradient.
     """
+    check_options(dtypes=dtypes, max_dim=max_dim, grad=grad, max_examples=max_examples, seed=seed)
     schemes = as_schemes(schemes)
 
     def body(case):
@@ -263,6 +268,7 @@ def check_ple_gate(fn: Callable[..., Any], *, dtypes: Sequence[torch.dtype] = DT
                    grad: bool = True, max_examples: int = 25, seed: int | None = 0) -> None:
     """Check ``fn`` (the signature of ``ple.reference.ple_gate``): ``(gated, conv_input)`` and, with ``grad``,
     the gradients of key, value, hidden states and the three norm weights."""
+    check_options(dtypes=dtypes, max_hidden=max_hidden, grad=grad, max_examples=max_examples, seed=seed)
     names = ["key", "value", "hidden_states", "norm_key_weight", "norm_query_weight", "norm_conv_weight"]
 
     def body(case):
@@ -298,8 +304,9 @@ def check_ple_gate(fn: Callable[..., Any], *, dtypes: Sequence[torch.dtype] = DT
     _prop(_gate_cases(dtypes, max_hidden), body, max_examples, seed)
 
 
-def _scores(inputs: dict, H: int, eps: float) -> torch.Tensor:
+def _scores(inputs: dict, hidden_size: int, eps: float) -> torch.Tensor:
     """The gate scores ``s[t, m]`` in float64 (docs/spec.md section 4)."""
+    H = hidden_size
     x = {k: v.detach().double() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
     kn = ref.grouped_rms_norm(x["key"], x["norm_key_weight"], H, eps).unflatten(1, (-1, H))
     qn = ref.grouped_rms_norm(x["hidden_states"], x["norm_query_weight"], H, eps).unflatten(1, (-1, H))
@@ -324,6 +331,7 @@ def check_dilated_causal_conv(fn: Callable[..., Any], *, dtypes: Sequence[torch.
                               max_examples: int = 25, seed: int | None = 0) -> None:
     """Check ``fn`` (the signature of ``ple.reference.dilated_causal_conv``), ``[B, L, C]`` and packed
     ``[T, C]`` with ``cu_seqlens``: the output and, with ``grad``, the gradients of ``x`` and ``weight``."""
+    check_options(dtypes=dtypes, max_channels=max_channels, grad=grad, max_examples=max_examples, seed=seed)
     def body(case):
         g = torch.Generator().manual_seed(case["seed"])
         C, K, dt = case["C"], case["K"], case["dtype"]

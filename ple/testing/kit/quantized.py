@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from ... import quant
+from ... import _checks, quant
 from ... import reference as ref
 from ._report import compare_bits, fmt_case
 
@@ -38,20 +38,14 @@ SCHEMES = ("fp8", "int8", "nf4")
 
 
 def as_schemes(schemes: Sequence[str]) -> tuple[str, ...]:
-    """``schemes`` checked: names of `SCHEMES` (none at all: float tables only), else a ``ValueError``."""
-    if isinstance(schemes, str) or not all(isinstance(s, str) for s in schemes):
-        raise ValueError(f"schemes: expected a sequence of scheme names of {', '.join(SCHEMES)} (e.g. "
-                         f"('nf4',)), got {schemes!r}")
-    bad = [s for s in schemes if s not in SCHEMES]
-    if bad:
-        raise ValueError(f"schemes: unknown scheme(s) {', '.join(map(repr, bad))}; expected names of "
-                         f"{', '.join(SCHEMES)}")
-    return tuple(schemes)
+    """``schemes`` checked: a sequence of names of `SCHEMES` (none at all: float tables only); not a sequence of
+    strings (a single ``"nf4"`` too) is a ``TypeError``, an unknown name a ``ValueError``."""
+    return _checks.choices_arg("schemes", schemes, SCHEMES, allow_empty=True)
 
 
-def even_dim(D: int) -> int:
-    """``D`` made a width NF4 holds (two values a byte): rounded down to even, at least 2."""
-    return max(2, D - D % 2)
+def even_dim(dim: int) -> int:
+    """``dim`` (D) made a width NF4 holds (two values a byte): rounded down to even, at least 2."""
+    return max(2, dim - dim % 2)
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from ... import _checks
 from ... import reference as ref
 from ..numerics import TOLERANCES
+from ._options import check_options
 from ._report import _value, compare_bits, fmt_case, poisoned_empty
 from .cases import fill_nans_, index_tensor, randn
 from .ops import _prop
@@ -298,10 +299,7 @@ def check_one_update(fn: Callable[..., Any], case: dict[str, Any]) -> None:
 
 
 def _as_rules(rules: Sequence[str]) -> tuple[str, ...]:
-    if isinstance(rules, str) or not rules or any(r not in RULES for r in rules):
-        raise ValueError(f"rules: expected a non-empty sequence of rule names of {', '.join(RULES)} (e.g. "
-                         f"('adam',)), got {rules!r}")
-    return tuple(rules)
+    return _checks.choices_arg("rules", rules, RULES)
 
 
 def check_table_update(fn: Callable[..., Any], *, rules: Sequence[str] = RULES,
@@ -322,8 +320,7 @@ def check_table_update(fn: Callable[..., Any], *, rules: Sequence[str] = RULES,
     ``step`` 1 and above; fresh buffers NaN-poisoned while ``fn`` runs. Returns quietly, or raises
     ``AssertionError`` naming the smallest failing case, the rule, the row and column and both values.
     """
+    check_options(dtypes=dtypes, max_dim=max_dim, max_lookups=max_lookups, max_examples=max_examples, seed=seed)
     rules = _as_rules(rules)
-    if isinstance(dtypes, torch.dtype) or not dtypes or any(d not in MANTISSA for d in dtypes):
-        raise ValueError(f"dtypes: expected a non-empty sequence of float dtypes, got {dtypes!r}")
     _prop(update_cases(rules=rules, dtypes=dtypes, max_dim=max_dim, max_lookups=max_lookups),
           lambda case: check_one_update(fn, case), max_examples, seed)
