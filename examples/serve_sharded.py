@@ -31,7 +31,8 @@ import torch.distributed as dist
 import ple
 from ple.demo import int_at_least
 from ple.distributed import join_table_lookup, parallelize_tables
-from ple.state import Decode, PLECache, Prefill, Spec
+from ple.state import PLECache
+from ple.testing.serving import step_each
 
 
 def main(argv=None) -> int:
@@ -83,14 +84,7 @@ def main(argv=None) -> int:
                 join_table_lookup(layer)
                 idle += 1
                 continue
-            h, outs = None, []
-            for cache, s, m in zip(caches, slots, (layer, whole), strict=True):
-                items = [Prefill(s[r], t) if kind == "prefill" else Decode(s[r], t) if kind == "decode"
-                         else Spec(s[r], t) for kind, r, t in plan]
-                batch = cache.schedule(items)
-                if h is None:
-                    h = torch.randn(batch.num_tokens, config.hc_hidden_size, device=device)
-                outs.append(m.step(h, batch, cache))
+            outs = step_each((layer, whole), caches, slots, plan, device=device)
             mismatches += not torch.equal(outs[0], outs[1])
             for kind, r, _ in plan:
                 if kind == "spec":

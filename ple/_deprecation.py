@@ -17,6 +17,8 @@ the code fails that test unless the snapshot recorded it as deprecated in an ear
       @deprecated_parameter("starts", "query_start_loc_list", since="0.2.0")
       def fragments(query_start_loc_list, lo, hi): ...
 
+  (a class's constructor parameter: the decorator on its ``__init__``; `deprecations_of` the class sees it);
+
 * `deprecated_function`, a module-level function under its old name (keep the old name in
   ``__all__``): ``old_name = deprecated_function(new_name, "old_name", since="0.2.0")``.
 * `warn_deprecated`, the warning itself, for anything else.
@@ -105,8 +107,10 @@ def _marked(wrapper: Callable[..., Any], wrapped: Callable[..., Any], deprecatio
 
 
 def deprecations_of(func: object) -> tuple[Deprecation, ...]:
-    """The deprecations a function carries (its deprecated parameters; itself if it is a deprecated name)."""
-    return tuple(getattr(func, MARKER, ()))
+    """The deprecations a function carries (its deprecated parameters; itself if it is a deprecated name); a
+    class, also those of its constructor (`deprecated_parameter` on ``__init__``)."""
+    own = tuple(getattr(func, MARKER, ()))
+    return own + tuple(getattr(getattr(func, "__init__", None), MARKER, ())) if isinstance(func, type) else own
 
 
 def deprecated_parameter(old: str, new: str, *, since: str) -> Callable[[F], F]:

@@ -17,10 +17,10 @@ Three op modules carry the names and signatures of docs/spec.md section 7 (`OP_N
 =============  =====================  ============================================================
 
 `twin` is how a backend's public function takes the signature and docstring of its reference
-twin (both backends use it), so each is written once; the backend function's own docstring, if it
-has one, holds only what is particular to that backend and is appended under a heading ("Torch
-backend notes:", "Triton backend notes:"). An op module may also set two flags the
-layer reads (`traits`): ``FUSED_KV_PROJECTION`` (the layer makes one GEMM over the
+twin (both backends use it), so each is written once; a first line says that the reference's text
+follows, and the backend function's own docstring holds only what is particular to that backend and is
+appended under a heading ("Torch backend notes:", "Triton backend notes:"). An op module may also set
+two flags the layer reads (`traits`): ``FUSED_KV_PROJECTION`` (the layer makes one GEMM over the
 concatenated key and value weights) and ``CHECKS_VALUES_WHEN_COMPILED`` (its ops check index
 values inside a registered op, so a compiled layer may still ask them to).
 """
@@ -38,6 +38,8 @@ from types import ModuleType
 from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
+
+from ._checks.args import choice_arg
 
 __all__ = ["resolve_backend", "backend_module", "triton_available", "triton_compiled_available", "CustomOps",
            "OP_NAMES", "BACKENDS", "twin", "traits", "Traits"]
@@ -71,12 +73,13 @@ def twin(reference: Callable[..., Any], *,
          guard: Callable[[str, tuple[Any, ...], dict[str, Any]], object] | None = None) -> Callable[[_F], _F]:
     """Decorator: the decorated public op takes ``reference``'s signature and docstring.
 
-    The decorated function's own docstring, if any, is kept as that backend's notes: it is appended
-    after the reference's under a heading (`_notes_heading`: "Torch backend notes:" in
-    ``ple.vectorized``, "Triton backend notes:" in ``ple.fast``), so ``help(op)`` reads the
-    reference first. Notes that repeat a paragraph of the reference (a copy of its summary, of its
-    ``validate`` paragraph, ...) are refused with a ``ValueError`` when the module is imported: write
-    only what differs.
+    ``help(op)`` reads: a first line naming the backend and the reference and saying that the
+    reference's docstring follows (`_twin_doc`); the reference's docstring, whole; then the decorated
+    function's own docstring, if any, as that backend's notes, under a heading (`_notes_heading`:
+    "Torch backend notes:" in ``ple.vectorized``, "Triton backend notes:" in ``ple.fast``), where the
+    reference's text ends. Every op of both backends has notes (``tests/test_backends.py``). Notes that
+    repeat a paragraph of the reference (a copy of its summary, of its ``validate`` paragraph, ...) are
+    refused with a ``ValueError`` when the module is imported: write only what differs.
 
     ``guard(name, args, kwargs)``, if given, runs before every call (``ple.fast`` refuses CPU
     tensors there when its kernels are compiled). Without a guard the function itself is returned
@@ -118,21 +121,31 @@ def _paragraphs(doc: str) -> list[str]:
     return [" ".join(p.split()) for p in inspect.cleandoc(doc).split("\n\n") if p.strip()]
 
 
-def _twin_doc(reference: Callable[..., Any], fn: Callable[..., Any]) -> str | None:
-    """``reference``'s docstring, then ``fn``'s own (its notes) under `_notes_heading`; see `twin`."""
+def _backend_label(module: str) -> str:
+    """What the first line of a twinned docstring calls the backend of ``module``: "Torch backend", ..."""
+    heading = _notes_heading(module)
+    return heading.removesuffix(" notes:") if heading.endswith(" backend notes:") else f"``{module}``"
+
+
+def _twin_doc(reference: Callable[..., Any], fn: Callable[..., Any]) -> str:
+    """A first line saying whose text follows, ``reference``'s docstring, then ``fn``'s own (its notes) under
+    `_notes_heading`; see `twin`."""
     ref_doc, notes = reference.__doc__, fn.__doc__
-    if not notes or not notes.strip():
-        return ref_doc
-    name = f"{fn.__module__}.{fn.__qualname__}"
-    repeated = [p for p in _paragraphs(notes) if p in _paragraphs(ref_doc or "")]
-    if repeated:
-        raise ValueError(f"{name}: its docstring repeats a paragraph of {reference.__module__}."
-                         f"{reference.__qualname__}'s ({repeated[0][:60]!r}...); twin already gives it the "
-                         f"reference's docstring, so keep only what is particular to this backend (appended "
-                         f"under {_notes_heading(fn.__module__)!r})")
-    body = textwrap.indent(inspect.cleandoc(notes), "    ")
-    head = inspect.cleandoc(ref_doc) if ref_doc else ""
-    return f"{head}\n\n{_notes_heading(fn.__module__)}\n\n{body}\n".lstrip("\n")
+    ref_name = f"{reference.__module__}.{reference.__qualname__}"
+    heading = _notes_heading(fn.__module__)
+    has_notes = bool(notes and notes.strip())
+    if has_notes:
+        repeated = [p for p in _paragraphs(cast(str, notes)) if p in _paragraphs(ref_doc or "")]
+        if repeated:
+            raise ValueError(f"{fn.__module__}.{fn.__qualname__}: its docstring repeats a paragraph of {ref_name}'s "
+                             f"({repeated[0][:60]!r}...); twin already gives it the reference's docstring, so keep "
+                             f"only what is particular to this backend (appended under {heading!r})")
+    then = f', then this backend\'s notes under "{heading}"' if has_notes else " (this backend adds no notes)"
+    first = f"{_backend_label(fn.__module__)} twin of ``{ref_name}``: the reference's docstring follows{then}."
+    out = f"{first}\n\n{inspect.cleandoc(ref_doc) if ref_doc else '(The reference has no docstring.)'}\n"
+    if has_notes:
+        out += f"\n{heading}\n\n{textwrap.indent(inspect.cleandoc(cast(str, notes)), '    ')}\n"
+    return out
 
 
 class CustomOps:
@@ -212,8 +225,7 @@ def triton_compiled_available() -> bool:
 
 def resolve_backend(backend: str) -> tuple[str, ModuleType]:
     """``"reference"``, ``"torch"``, ``"triton"`` or ``"auto"`` -> (the name picked, its op module)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    choice_arg("backend", backend, BACKENDS)     # not a str: TypeError; an unknown name: ValueError
     if backend == "auto":
         backend_module("torch")                  # a layer on "auto" with weights off CUDA runs this one
         backend = "triton" if triton_compiled_available() else "torch"

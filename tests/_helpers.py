@@ -4,7 +4,10 @@ Fixtures are in ``tests/conftest.py`` (``poisoned_empty``, ``deterministic_mode`
 cases (random rows, index tensors, conv states in every layout, slots and token_indices) in the kit,
 ``ple.testing.kit.cases``. Here: deterministic mode as a context manager, "nothing changed" snapshots of a
 cache or of an op's arguments, layers with every parameter random, the hash parameters of the tiny preset,
-a planted mistake the kit must catch, and one process's answer over a packed batch (the gloo tests).
+a small valid call of every op (`valid_op_calls`),
+a planted mistake the kit must catch, serving replays compared, one process's answer over a packed batch, each
+rank serving its own requests and a module's checks spawned once per world size (the gloo tests), and tables off
+the device (prefetched forwards and lookups, which NF4 unpacker a lookup calls).
 """
 
 from __future__ import annotations
@@ -86,6 +89,40 @@ def tiny_hash_setup() -> tuple:
                                                        eos_token_id=config.eos_token_id)
 
 
+def valid_op_calls() -> list[tuple[str, tuple, dict]]:
+    """(op, args, kwargs) of a small valid call of every op of ``ple.backends.OP_NAMES`` (and of a serving prefill:
+    ``"serving ple_prefill"``), fresh tensors each time; the tensors are shared between the calls."""
+    g = torch.Generator().manual_seed(0)
+    T, C, H, K, d = 8, 6, 3, 3, 2
+    S = (K - 1) * d
+    tiny = ple.PLEConfig.preset("tiny")
+    params = ple.reference.hash_params(tiny, tiny.ple_layer_ids[0])
+    ids = torch.tensor([5, 2, 9, 9, 4, 2, 7, 7])
+    query_start_loc = torch.tensor([0, 3, 8])
+    ngram_kw = dict(heads_per_ngram=tiny.heads_per_ngram, eos_token_id=tiny.eos_token_id,
+                    query_start_loc=query_start_loc, ngram_context=torch.tensor([[1, 2], [3, 4]]))
+    table = torch.randn(params.num_rows, 2, generator=g)
+    gate = [torch.randn(s, generator=g) for s in ((T, C), (T, H), (T, C), (C,), (C,), (C,))] + [1e-6]
+    conv_weights = torch.randn(C, K, generator=g)
+    conv_state = torch.randn(4, C, S, generator=g)
+    rows = torch.randn(T, C, generator=g)
+    serving = dict(dilation=d, query_start_loc=query_start_loc, conv_state=conv_state,
+                   state_indices=torch.tensor([2, 1]), has_initial_states=torch.tensor([True, False]))
+    return [
+        ("ngram_ids", (ids, params), ngram_kw),
+        ("ngram_embedding", (table, ids, params), ngram_kw),
+        ("embedding_lookup", (table, torch.tensor([[0, 3], [1, 2]])), {}),
+        ("ple_gate", tuple(gate), {}),
+        ("ple_conv", (rows, rows.clone(), conv_state, conv_weights, torch.tensor([3, 1])),
+         dict(mode="prefill", dilation=d, query_start_loc=query_start_loc)),
+        ("export_conv_checkpoints", (rows, conv_state),
+         dict(query_start_loc=query_start_loc, offsets=torch.tensor([0, S]), slots=torch.tensor([0, 2]), state_len=S)),
+        ("dilated_causal_conv", (rows, conv_weights), dict(dilation=d, cu_seqlens=query_start_loc)),
+        ("ple_prefill", (*gate, conv_weights), dict(dilation=d, query_start_loc=query_start_loc)),
+        ("serving ple_prefill", (*gate, conv_weights), serving),
+    ]
+
+
 def packed_reference(full: ple.PLELayer, starts: Sequence[int], eos_at: int, seed: int = 6) -> dict:
     """A packed float64 batch of sequences ``starts`` (one EOS at row ``eos_at``) and one process's answer:
     ``ids``, ``hidden``, ``probe`` (the loss is ``(out * probe).sum()``), ``ref`` (every sequence through
@@ -102,6 +139,72 @@ def packed_reference(full: ple.PLELayer, starts: Sequence[int], eos_at: int, see
     ref = torch.cat([full(h[a:b][None], ids[a:b][None])[0] for a, b in zip(starts, starts[1:]) if b > a])
     (ref * probe).sum().backward()
     return dict(ids=ids, hidden=hidden, probe=probe, ref=ref, h=h)
+
+
+def own_requests_served(layer: ple.PLELayer, full: ple.PLELayer, rank: int, world_size: int,
+                        dtype: torch.dtype) -> Iterator[tuple[int | None, torch.Tensor, torch.Tensor]]:
+    """Rank ``rank`` serves requests of its own (two, prompts by rank) from its own ``dtype`` caches, one for the
+    sharded ``layer`` (per-rank tokens) and one for the whole ``full``: three steps (prefills; a decode and a
+    spec, of which one token is kept; a decode), in which the last rank idles in step 1 and joins the lookup
+    (``join_table_lookup``). Yields, as it goes (without autograd), ``(k, sharded, whole)``: the outputs of each
+    step k with tokens, then ``(None, sharded, whole)``: the caches' conv states."""
+    from ple.distributed import join_table_lookup
+    from ple.state import PLECache
+    from ple.testing.serving import step_each
+
+    # a list of steps, each a list of (kind, request, tokens)
+    script = [[("prefill", 0, [5 + rank, 6, 7, 8, 9][: 2 + rank % 3]), ("prefill", 1, [9, 2, 11 + rank])],
+              [] if rank == world_size - 1 else [("decode", 0, 12), ("spec", 1, [13, 14])],
+              [("decode", 0, 15 + rank)]]
+    caches = [PLECache(full.config, num_slots=4, num_spec_tokens=2, num_layers=1, dtype=dtype)
+              for _ in range(2)]                                          # [sharded layer, whole layer]
+    slots = [[c.allocate(), c.allocate()] for c in caches]
+    g = torch.Generator().manual_seed(40 + rank)
+    with torch.no_grad():
+        for k, step in enumerate(script):
+            if not step:
+                join_table_lookup(layer)
+                continue
+            outs = step_each((layer, full), caches, slots, step, generator=g, dtype=dtype)
+            yield k, outs[0], outs[1]
+            for c, s in zip(caches, slots, strict=True):
+                if any(kind == "spec" for kind, _, _ in step):
+                    c.accept(s[1], 1)
+        yield None, caches[0].conv_state(0), caches[1].conv_state(0)
+
+
+def _run_every_check(rank: int, world_size: int, checks: dict, *args) -> dict:
+    from ple.testing import spawned
+
+    return spawned.run_checks(checks, list(checks), rank, world_size, *args)
+
+
+class SpawnedChecks:
+    """A test module's checks run on every rank of a gloo group: ``check_<name>(rank, world_size, *args)``,
+    module-level functions, named here by ``<name>`` (iterating gives the names, in order). Each world size
+    is spawned once, at its first `report`, and runs every check (``ple.testing.spawned.run_checks``);
+    `report` fails the test of one check with each failing rank's report."""
+
+    def __init__(self, *checks, timeout: float, pg_timeout: float) -> None:
+        self.checks = {f.__name__.removeprefix("check_"): f for f in checks}
+        self.timeout, self.pg_timeout = timeout, pg_timeout
+        self._failures: dict[int, dict[str, list]] = {}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.checks)
+
+    def report(self, world_size: int, name: str, *args) -> None:
+        """Fail unless check ``name`` passed on every rank of the group of ``world_size`` (``args``: the checks')."""
+        from ple.distributed import spawn
+
+        if world_size not in self._failures:
+            per_rank = spawn(_run_every_check, world_size, self.checks, *args, timeout=self.timeout,
+                             pg_timeout=self.pg_timeout)
+            self._failures[world_size] = {n: [(r, res[n]) for r, res in enumerate(per_rank) if res[n] is not None]
+                                          for n in self.checks}
+        failures = self._failures[world_size][name]
+        if failures:
+            pytest.fail("\n".join(f"rank {r}:\n{tb}" for r, tb in failures), pytrace=False)
 
 
 # ---- the kit -------------------------------------------------------------------------------------------
@@ -137,3 +240,73 @@ def assert_same_serving(layer_sets: Sequence, script: Sequence, *, seed: int, nu
         for rid in first.outputs:
             for x, y in zip(first.outputs[rid], other.outputs[rid], strict=True):
                 assert_bitwise_equal(y, x, name=f"request {rid} output")
+
+
+# ---- tables off the device: prefetches, unpackers -------------------------------------------------------
+def with_prefetch(layer):
+    """Make ``layer.step`` prefetch its own tokens first, as a serving engine would."""
+    step = layer.step
+
+    def prefetching_step(h, batch, cache):
+        layer.start_prefetch(batch.input_ids, batch.query_start_loc, batch.ngram_context)
+        assert layer.table.pending_prefetch is not None
+        out = step(h, batch, cache)
+        assert layer.table.pending_prefetch is None                        # consumed
+        return out
+
+    layer.step = prefetching_step
+    return layer
+
+
+def assert_prefetched_forward(layer, ref, h: torch.Tensor, tokens: torch.Tensor, *, name: str) -> None:
+    """``layer``'s forward over ``tokens`` (``[B, L]``, one sequence a row) after a prefetch of them equals
+    ``ref``'s bit for bit; the prefetch is pending until the forward takes it (one not used would warn: an
+    error here)."""
+    import warnings
+
+    layer.start_prefetch(tokens.reshape(-1), torch.arange(tokens.shape[0] + 1) * tokens.shape[1])
+    assert layer.table.pending_prefetch is not None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                                     # a prefetch not used would warn
+        assert_bitwise_equal(layer(h, tokens), ref(h, tokens), name=name)
+    assert layer.table.pending_prefetch is None
+
+
+def assert_cuda_lookups(ref, layer, ids_on: str) -> torch.Tensor:
+    """Three rounds of 40 tokens (requests of 7, 0 and 33) on ``ref``'s GPU: ``layer``'s rows, with the tokens
+    prefetched (from ``ids_on``) and without, equal the all-GPU ``ref``'s bit for bit. Returns the last ids."""
+    dev = torch.device("cuda")
+    config = ref.config
+    gen = torch.Generator().manual_seed(8)
+    for _ in range(3):
+        tokens = torch.randint(0, config.vocab_size, (40,), generator=gen)
+        qsl = torch.tensor([0, 7, 7, 40])
+        ids = ref.ops.ngram_ids(tokens.to(dev), ref.ple_embedding.hash_params(),
+                                heads_per_ngram=config.heads_per_ngram, eos_token_id=config.eos_token_id,
+                                query_start_loc=qsl.to(dev))
+        expected = ref.embed(ids, torch.bfloat16)
+        layer.start_prefetch(tokens.to(ids_on), qsl.to(ids_on))
+        assert_bitwise_equal(layer.embed(ids, torch.bfloat16), expected, name="prefetched rows")
+        assert_bitwise_equal(layer.embed(ids, torch.bfloat16), expected, name="lookup without prefetch")
+    return ids
+
+
+def unpacker_calls(monkeypatch) -> list[str]:
+    """The NF4 unpackers lookups call from now on, one entry a call: ``"reference"``
+    (``ple.reference.nf4_dequantize_rows``, the readable one) or ``"vectorised"`` (``ple.quant``'s, as
+    ``ple.table`` calls it)."""
+    import ple.quant
+    import ple.reference
+    import ple.table
+
+    calls = []
+
+    def spy(name, fn):
+        def record(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return record
+
+    monkeypatch.setattr(ple.reference, "nf4_dequantize_rows", spy("reference", ple.reference.nf4_dequantize_rows))
+    monkeypatch.setattr(ple.table, "dequantize_rows", spy("vectorised", ple.quant.dequantize_rows))
+    return calls

@@ -10,6 +10,7 @@ import types
 
 import pytest
 import torch
+from _helpers import valid_op_calls
 
 import ple
 import ple.vectorized as vec
@@ -104,8 +105,12 @@ def test_twin_keeps_the_reference_doc_and_appends_the_backends_notes():
     assert got is op                                            # no guard: no wrapper on the hot path
     doc = inspect.getdoc(got)
     ref = inspect.getdoc(_reference_op)
-    assert doc.startswith(ref)                                  # the reference first, whole
-    rest = doc[len(ref):]
+    first, rest = doc.split("\n\n", 1)                          # a first line says whose text follows
+    name = f"{_reference_op.__module__}._reference_op"
+    assert first == (f"Torch backend twin of ``{name}``: the reference's docstring follows, then this backend's "
+                     "notes under \"Torch backend notes:\".")
+    assert rest.startswith(ref)                                 # then the reference, whole
+    rest = rest[len(ref):]
     assert rest.lstrip("\n").startswith("Torch backend notes:")
     assert "Adds in place on a copy (this backend's own note)." in rest
     assert inspect.signature(got) == inspect.signature(_reference_op)
@@ -120,15 +125,19 @@ def test_twin_keeps_the_reference_doc_and_appends_the_backends_notes():
     assert guarded is not fast_op and guarded(torch.ones(2), dilation=2).tolist() == [3.0, 3.0]
     assert seen == ["ple.fast.fast_op"]
     doc = inspect.getdoc(guarded)
-    assert doc.startswith(ref) and doc.index("Triton backend notes:") > len(ref) and "One kernel per call." in doc
+    first, rest = doc.split("\n\n", 1)
+    assert first.startswith(f"Triton backend twin of ``{name}``: the reference's docstring follows")
+    assert rest.startswith(ref) and rest.index("Triton backend notes:") > len(ref) and "One kernel per call." in rest
     assert inspect.signature(guarded) == inspect.signature(_reference_op)
 
 
-def test_twin_without_notes_gives_the_reference_doc_as_it_is():
+def test_twin_without_notes_still_says_whose_text_it_is():
     def op(x, *, dilation, validate=True):
         return x + dilation
 
-    assert _decorate_in("ple.vectorized.fake", op).__doc__ == _reference_op.__doc__
+    doc = _decorate_in("ple.vectorized.fake", op).__doc__
+    assert doc == (f"Torch backend twin of ``{_reference_op.__module__}._reference_op``: the reference's docstring "
+                   f"follows (this backend adds no notes).\n\n{inspect.cleandoc(_reference_op.__doc__)}\n")
 
 
 @pytest.mark.parametrize("notes", [_reference_op.__doc__, "Add the dilation to every element.",
@@ -142,19 +151,36 @@ def test_twin_refuses_notes_that_copy_the_reference(notes):
         _decorate_in("ple.fast.fake", op)
 
 
-def test_every_backend_op_reads_the_reference_first():
-    """``help(op)`` of each backend's op: the reference's docstring whole, then (if any) that backend's notes."""
-    backends = [(vec, "Torch backend notes:")]
+def _twinned_ops():
+    """(backend module, its name for itself in docstrings, op name) of every twinned op: each op of ``OP_NAMES``
+    and ``table_update``, on the torch backend and, where Triton is installed, on the Triton one."""
+    backends = [(vec, "Torch")]
     if importlib.util.find_spec("triton") is not None:
         import ple.fast
-        backends.append((ple.fast, "Triton backend notes:"))
-    for module, heading in backends:
-        for name in OP_NAMES:
-            doc, ref = inspect.getdoc(getattr(module, name)), inspect.getdoc(getattr(ple.reference, name))
-            assert doc.startswith(ref), (module.__name__, name)
-            rest = doc[len(ref):]
-            assert rest == "" or rest.startswith(f"\n\n{heading}\n\n"), (module.__name__, name, rest[:80])
-            assert inspect.signature(getattr(module, name)) == inspect.signature(getattr(ple.reference, name))
+        backends.append((ple.fast, "Triton"))
+    return [(module, label, name) for module, label in backends for name in (*OP_NAMES, "table_update")]
+
+
+def test_every_twinned_op_marks_the_reference_text_and_carries_its_backends_notes():
+    """``help(op)`` of each backend's op: a first line saying that the reference's docstring follows, the
+    reference's docstring whole, then that backend's own notes under its heading, never empty. Dropping an
+    op's notes (or the marks) fails here."""
+    ops = _twinned_ops()
+    assert len(ops) in (9, 18)
+    for module, label, name in ops:
+        where = f"{module.__name__}.{name}"
+        reference = getattr(ple.reference, name)
+        doc, ref = inspect.getdoc(getattr(module, name)), inspect.getdoc(reference)
+        first, rest = doc.split("\n\n", 1)
+        heading = f"{label} backend notes:"
+        assert first == (f"{label} backend twin of ``{reference.__module__}.{reference.__qualname__}``: the "
+                         f"reference's docstring follows, then this backend's notes under \"{heading}\"."), where
+        assert rest.startswith(ref), where
+        rest = rest[len(ref):]
+        assert rest.startswith(f"\n\n{heading}\n\n"), (where, rest[:80])
+        notes = rest[len(heading) + 4:]
+        assert len(notes.split()) >= 20 and "reference's docstring" not in notes, (where, notes[:80])
+        assert inspect.signature(getattr(module, name)) == inspect.signature(reference)
     notes = vec.export_conv_checkpoints.__doc__.split("Torch backend notes:", 1)[1]
     assert "fixed-shape write" in notes                         # the torch backend's own words are seen
 
@@ -171,38 +197,6 @@ _OWN_CHECKS = {"ngram_ids": "ngram", "ngram_embedding": "ngram", "embedding_look
 # ``ngram_meta`` and then its ``ngram_ids`` (``ngram_call``) and ``embedding_lookup`` (``lookup_meta``), and its
 # serving ``ple_prefill`` runs ``ple_conv_meta`` again through its ``ple_conv(validate=False)``.
 _CHECKED_AGAIN: set[tuple[str, str]] = set()
-
-
-def _valid_calls():
-    """(op, args, kwargs) of a small valid call of every op (and of a serving prefill)."""
-    g = torch.Generator().manual_seed(0)
-    T, C, H, K, d = 8, 6, 3, 3, 2
-    S = (K - 1) * d
-    params = ple.reference.hash_params(TINY, TINY.ple_layer_ids[0])
-    ids = torch.tensor([5, 2, 9, 9, 4, 2, 7, 7])
-    query_start_loc = torch.tensor([0, 3, 8])
-    ngram_kw = dict(heads_per_ngram=TINY.heads_per_ngram, eos_token_id=TINY.eos_token_id,
-                    query_start_loc=query_start_loc, ngram_context=torch.tensor([[1, 2], [3, 4]]))
-    table = torch.randn(params.num_rows, 2, generator=g)
-    gate = [torch.randn(s, generator=g) for s in ((T, C), (T, H), (T, C), (C,), (C,), (C,))] + [1e-6]
-    conv_weights = torch.randn(C, K, generator=g)
-    conv_state = torch.randn(4, C, S, generator=g)
-    rows = torch.randn(T, C, generator=g)
-    serving = dict(dilation=d, query_start_loc=query_start_loc, conv_state=conv_state,
-                   state_indices=torch.tensor([2, 1]), has_initial_states=torch.tensor([True, False]))
-    return [
-        ("ngram_ids", (ids, params), ngram_kw),
-        ("ngram_embedding", (table, ids, params), ngram_kw),
-        ("embedding_lookup", (table, torch.tensor([[0, 3], [1, 2]])), {}),
-        ("ple_gate", tuple(gate), {}),
-        ("ple_conv", (rows, rows.clone(), conv_state, conv_weights, torch.tensor([3, 1])),
-         dict(mode="prefill", dilation=d, query_start_loc=query_start_loc)),
-        ("export_conv_checkpoints", (rows, conv_state),
-         dict(query_start_loc=query_start_loc, offsets=torch.tensor([0, S]), slots=torch.tensor([0, 2]), state_len=S)),
-        ("dilated_causal_conv", (rows, conv_weights), dict(dilation=d, cu_seqlens=query_start_loc)),
-        ("ple_prefill", (*gate, conv_weights), dict(dilation=d, query_start_loc=query_start_loc)),
-        ("serving ple_prefill", (*gate, conv_weights), serving),
-    ]
 
 
 @pytest.mark.parametrize("backend", ["reference", "torch", pytest.param("triton", marks=pytest.mark.interpreter)])
@@ -227,7 +221,7 @@ def test_each_op_checks_its_call_once_with_its_own_check(backend, validate, monk
             monkeypatch.setattr(checks, name, recorded(name, fn))
     ops = backend_module(resolve_backend(backend)[0])
     wrong = {}
-    for op, args, kwargs in _valid_calls():
+    for op, args, kwargs in valid_op_calls():
         calls.clear()
         getattr(ops, op.split()[-1])(*args, **kwargs, **({} if op == "ple_gate" else dict(validate=validate)))
         family = _OWN_CHECKS[op]

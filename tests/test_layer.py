@@ -18,19 +18,9 @@ from ple.reference import hash_params, ngram_ids, ple_gate
 
 TINY = PLEConfig.preset("tiny")
 # Small enough for gradcheck over every parameter, table included (12 rows of width 2).
-GRAD = PLEConfig(
-    ple_layer_ids=[1],
-    vocab_size=20,
-    hidden_size=3,
-    hc_count=2,
-    eos_token_id=1,
-    ple_embed_dim=4,
-    ple_conv_kernel_size=3,
-    ngram_size=3,
-    heads_per_ngram=1,
-    ngram_vocab_size_base=5,
-    make_ngram_vocab_size_divisible_by=4,
-)
+GRAD = PLEConfig(ple_layer_ids=[1], vocab_size=20, hidden_size=3, hc_count=2, eos_token_id=1, ple_embed_dim=4,
+                 ple_conv_kernel_size=3, ngram_size=3, heads_per_ngram=1, ngram_vocab_size_base=5,
+                 make_ngram_vocab_size_divisible_by=4)
 
 
 def randomise(layer: PLELayer, seed: int, scale: float = 0.3) -> PLELayer:

@@ -19,6 +19,7 @@ import struct
 
 import pytest
 import torch
+from _helpers import unpacker_calls
 from _tier import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -314,20 +315,7 @@ def test_lookups_equal_the_dequantized_table(backend, out):
 def test_each_backend_unpacks_with_its_own_unpacker(backend, monkeypatch):
     """The reference backend unpacks gathered rows with ``ple.reference.nf4_dequantize_rows`` (the readable one);
     the torch backend with ``ple.quant``'s vectorised one."""
-    import ple.quant
-    import ple.reference
-    import ple.table
-
-    calls = []
-
-    def spy(name, fn):
-        def record(*args, **kwargs):
-            calls.append(name)
-            return fn(*args, **kwargs)
-        return record
-
-    monkeypatch.setattr(ple.reference, "nf4_dequantize_rows", spy("reference", ple.reference.nf4_dequantize_rows))
-    monkeypatch.setattr(ple.table, "dequantize_rows", spy("vectorised", ple.quant.dequantize_rows))
+    calls = unpacker_calls(monkeypatch)
     layer = nf4_layer(backend, torch.float32)
     layer.embed(torch.zeros(3, TINY.num_ngram_heads, dtype=torch.int64), torch.float32)
     assert calls == (["reference"] if backend == "reference" else ["vectorised"])

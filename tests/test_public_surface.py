@@ -281,7 +281,8 @@ def test_the_snapshot_round_trips(tmp_path):
 def test_the_collector_sees_deprecated_parameters_as_present_and_deprecated():
     surface, present = collect()
     for name in ("ple.distributed.fragments(starts=)", "ple.distributed.halo_plan(starts=)",
-                 "ple.state.step.step_conv(state=)", "ple.state.PLECache.realign_windows(state=)"):
+                 "ple.state.step.step_conv(state=)", "ple.state.PLECache.realign_windows(state=)",
+                 "ple.vectorized.gate.BlockGate(H=)"):                  # a constructor's parameter
         assert surface[name] == "0.1.0" and name in present, name
     assert surface["ple.distributed.fragments(query_start_loc_list=)"] is None
 
@@ -378,6 +379,47 @@ def test_the_kept_old_keywords_of_ple_still_work():
     batch = cache.schedule([Prefill(cache.allocate(), [1, 2])])
     with pytest.warns(DeprecationWarning, match="'state' argument of PLECache.realign_windows"):
         cache.realign_windows(batch, 0, state=cache.conv_state(0))
+
+
+def test_the_names_renamed_for_the_glossary_still_work(tmp_path):
+    """Old names kept for a release: each warns and gives what its new name gives."""
+    import torch
+
+    import ple
+    import ple.io as pio
+    from ple.io import Checkpoint
+    from ple.io.load import select_prefix, table_blocks
+    from ple.io.save import CheckpointTable
+    from ple.testing.layers import random_layer
+    from ple.vectorized import gate as vec_gate
+    from ple.vectorized import prefill as vec_prefill
+
+    key, x = torch.randn(3, 4), torch.randn(3, 2)
+    w = [torch.zeros(4)] * 3
+    with pytest.warns(DeprecationWarning, match="'H' argument of gate"):
+        old = vec_gate.gate(key, x, key, *w, 1e-6, H=2)
+    assert all(torch.equal(a, b) for a, b in zip(old, vec_gate.gate(key, x, key, *w, 1e-6, hidden_size=2)))
+    with pytest.warns(DeprecationWarning, match="'H' argument of BlockGate.__init__"):
+        assert vec_gate.BlockGate(2, key, *w, 1e-6, H=2).H == 2
+    with pytest.warns(DeprecationWarning, match="use ple.vectorized.grouped_rms_norm instead"):
+        old_norm = vec_gate.grouped_rms_norm(key, w[0], 2, 1e-6)
+    assert torch.equal(old_norm, vec_gate._grouped_rms_norm(key, w[0], 2, 1e-6))
+    for module, new in ((vec_gate, "takes_block_gate_path"), (vec_prefill, "takes_blocked_forward_path")):
+        with pytest.warns(DeprecationWarning, match=f"takes_blocked_path is deprecated .*{new} instead"):
+            args = (key,) if module is vec_gate else (key, None, False)
+            assert module.takes_blocked_path(*args) == getattr(module, new)(*args)
+    path, config = tmp_path / "layer.safetensors", ple.PLEConfig.preset("tiny")
+    pio.save(random_layer(config), path)
+    ckpt = Checkpoint.open(path)
+    plan = pio.plan_layer(ckpt, config, 0, select_prefix(ckpt, config, 0))
+    key0 = plan.pieces[0].key
+    with pytest.warns(DeprecationWarning, match="'block_rows' argument of Checkpoint.read_rows"):
+        got = [a for a, _ in ckpt.read_rows(key0, 0, 5, block_rows=2)]
+    assert got == [a for a, _ in ckpt.read_rows(key0, 0, 5, rows_per_block=2)] == [0, 2, 4]
+    with pytest.warns(DeprecationWarning, match="'block_rows' argument of table_blocks"):
+        assert [b[0] for b in table_blocks(ckpt, plan, 0, 5, block_rows=3)] == [0, 3]
+    with pytest.warns(DeprecationWarning, match="'block_rows' argument of CheckpointTable.blocks"):
+        assert len(list(CheckpointTable(ckpt, plan).blocks(0, 5, block_rows=3))) == 2
 
 
 # ---- regenerate -----------------------------------------------------------------------------------------------

@@ -126,15 +126,15 @@ def route_lookups(table: Table, ids: torch.Tensor, grad: torch.Tensor) -> tuple[
     return _columns_to_owners(table, ids, grad, W, rank)
 
 
-def _to_owners(table: Table, ids: torch.Tensor, grad: torch.Tensor, W: int, start: int
+def _to_owners(table: Table, ids: torch.Tensor, grad: torch.Tensor, world_size: int, start: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Row sharding, per-rank tokens: every lookup's gradient row to the row's owner (an all-to-all)."""
     comm = optimizer_comm(table)
-    size = shard_range(table.num_rows, W, 0)[1]           # rows per rank: rank k owns [k * size, (k + 1) * size)
+    size = shard_range(table.num_rows, world_size, 0)[1]  # rows per rank: rank k owns [k * size, (k + 1) * size)
     owner = ids.long() // size
     order = torch.argsort(owner, stable=True)             # by owner; each owner's lookups in lookup order
-    counts = torch.bincount(owner, minlength=W)
-    ones = [1] * W
+    counts = torch.bincount(owner, minlength=world_size)
+    ones = [1] * world_size
     got_counts = comm.all_to_all(counts, ones, ones, "table_update_counts")
     send, recv = counts.tolist(), got_counts.tolist()
     got_ids = comm.all_to_all(ids[order], send, recv, "table_update_ids")          # rank 0's first, then 1's ...
@@ -142,16 +142,16 @@ def _to_owners(table: Table, ids: torch.Tensor, grad: torch.Tensor, W: int, star
     return got_ids - start, got_grad
 
 
-def _columns_to_owners(table: Table, ids: torch.Tensor, grad: torch.Tensor, W: int, rank: int
+def _columns_to_owners(table: Table, ids: torch.Tensor, grad: torch.Tensor, world_size: int, rank: int
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Column sharding, per-rank tokens: every rank's ids (all-gather) and this rank's columns of every rank's
-    gradient rows (an all-to-all: rank j gets columns ``shard_range(D, W, j)`` of each row)."""
+    gradient rows (an all-to-all: rank j gets columns ``shard_range(D, world_size, j)`` of each row)."""
     comm = optimizer_comm(table)
     M = ids.shape[0]
     counts = comm.all_gather(torch.tensor([M], dtype=torch.int64, device=ids.device),
                              "table_update_counts").reshape(-1).tolist()
     all_ids = comm.all_gather_rows(ids, counts, "table_update_ids")
-    cols = [shard_range(table.dim, W, r) for r in range(W)]
+    cols = [shard_range(table.dim, world_size, r) for r in range(world_size)]
     send = torch.cat([grad[:, a:b].reshape(-1) for a, b in cols])                   # to rank 0, to rank 1, ...
     width = cols[rank][1] - cols[rank][0]
     got = comm.all_to_all(send, [M * (b - a) for a, b in cols], [n * width for n in counts], "table_update_grads")

@@ -10,8 +10,9 @@ the gate's backward recomputes the forward). The sums over ``H`` stay in the ker
 
 `row_scalars` is the prefill kernels' gate of a block of rows (``g`` and the conv norm's ``r_x`` per
 row, three loops over ``H`` in chunks of `BLOCK_H`); `conv_norm_chunk` and `conv_rows` give those rows'
-gated values and conv inputs, one chunk of ``H`` at a time. `BLOCK_H` and `STATE_WARPS` are the prefill
-kernels' tile across ``H``, shared with ``prefill_inputs`` so its sums run in the state kernel's order.
+gated values and conv inputs, one chunk of ``H`` at a time (`conv_inputs_chunk`: the conv inputs alone).
+`BLOCK_H` and `STATE_WARPS` are the prefill kernels' tile across ``H``, shared with ``prefill_inputs`` so its
+sums run in the state kernel's order.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import triton.language as tl
 from ._numerics import rnd, rsqrt, to_acc, up
 
 __all__ = ["BLOCK_H", "STATE_WARPS", "gate_clamp", "gate_of", "norm_product", "score_gate", "gated",
-           "conv_input", "row_scalars", "conv_norm_chunk", "conv_rows"]
+           "conv_input", "row_scalars", "conv_norm_chunk", "conv_rows", "conv_inputs_chunk"]
 
 BLOCK_H = 32            # the prefill kernels: channels of H per chunk
 STATE_WARPS = 2         # the prefill state kernel's [next_power_of_2(S), BLOCK_H] tiles: 8 channels per thread
@@ -151,3 +152,13 @@ def conv_rows(value_ptr, stride_value_t, stride_value_h, prow, rmask, h, hm, g, 
                    mask=rmask[:, None] & hm[None, :], other=0.0), IS_BF16, IS_FP64)
     x = gated(g[:, None], v, XT, IS_BF16, IS_FP64)
     return x, conv_input(x * r_x[:, None], wc1[None, :], XT, IS_BF16, IS_FP64)
+
+
+@triton.jit
+def conv_inputs_chunk(value_ptr, stride_value_t, stride_value_h, wc_ptr, stride_wc_c, prow, rmask, m, H, h, g, r_x,
+                      XT: tl.constexpr, IS_BF16: tl.constexpr, IS_FP64: tl.constexpr):
+    """`conv_norm_chunk`, then `conv_rows`: ``(h < H, the channels m * H + h, the conv inputs there)`` of physical
+    rows ``prow`` (where ``rmask``) of stream ``m``, for the chunk ``h`` of H (the gated values unkept)."""
+    hm, c, wc1 = conv_norm_chunk(wc_ptr, stride_wc_c, m, H, h, IS_FP64)
+    _, u = conv_rows(value_ptr, stride_value_t, stride_value_h, prow, rmask, h, hm, g, r_x, wc1, XT, IS_BF16, IS_FP64)
+    return hm, c, u

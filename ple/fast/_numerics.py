@@ -15,6 +15,8 @@
   kernels' time tiles of variable-length requests, found on the device: `tile_grid` (how many
   programs, from shapes only) and `tile_of` (the request and first position of a program's
   tile, by a binary search over the device offsets; `search_steps` its loop count).
+* **Runs of sorted ids.** `sorted_run_start`: where a program of a launch over sorted (id, row) pairs
+  stands, and whether it starts a run of equal ids (the deterministic table gradient, ``table_update``).
 * **Deterministic mode.** `deterministic` is PyTorch's own switch,
   ``torch.use_deterministic_algorithms(True)``: while it is on, every backward kernel of
   ``ple.fast`` reduces in a fixed order with no float atomics (table gradient, conv ``dW``,
@@ -32,7 +34,8 @@ from ..reference.gate import acc_dtype
 
 __all__ = ["acc_dtype", "is_fp64", "deterministic", "DETERMINISTIC_CHUNK",
            "pow2_block", "tile_grid", "search_steps", "tile_of", "bf16_to_f32", "f32_to_bf16", "round_bf16",
-           "up", "down", "rnd", "convert", "silu", "round_io", "to_acc", "rsqrt", "scalars", "eps_parts"]
+           "up", "down", "rnd", "convert", "silu", "round_io", "to_acc", "rsqrt", "scalars", "eps_parts",
+           "sorted_run_start"]
 
 
 def is_fp64(dtype: torch.dtype) -> bool:
@@ -218,3 +221,18 @@ def tile_of(pid, offs_ptr, stride_offs_r, R, steps, BLOCK_T: tl.constexpr):
         hi = tl.where(go_right, hi, mid - 1)
     base = tl.load(offs_ptr + lo * stride_offs_r).to(tl.int64) // BLOCK_T + lo
     return lo, (pid - base) * BLOCK_T
+
+
+# ---- runs of sorted ids (the deterministic table gradient, table_update) ----------------------------
+
+
+@triton.jit
+def sorted_run_start(pairs_ptr):
+    """``(p, (0, 1), id, starts)`` of program ``p`` (``program_id(0)``, int64) over ``[M, 2]`` int64 (id, row)
+    pairs sorted by id: the offsets of a pair's two columns, the id of pair ``p``, and whether ``p`` starts
+    that id's run (the program that does starts the run's work)."""
+    p = tl.program_id(0).to(tl.int64)
+    two = tl.arange(0, 2).to(tl.int64)
+    rid, _ = tl.split(tl.load(pairs_ptr + 2 * p + two))
+    prev = tl.load(pairs_ptr + 2 * p - 2, mask=p > 0, other=-1)  # ids are >= 0
+    return p, two, rid, rid != prev

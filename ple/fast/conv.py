@@ -398,6 +398,17 @@ def ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Ten
              num_accepted_tokens: torch.Tensor | None = None, spec_query_len: int = 1,
              token_indices: torch.Tensor | None = None, outer_residual: torch.Tensor | None = None,
              null_slot: int = 0, validate: bool = True) -> None:
+    """Decode and spec: one launch of the fused kernel (``conv_decode``, a program per request and channel block)
+    that loads the slot's old window and the rows once, writes the outputs, then, after a barrier, the shifted
+    window. Prefill: two launches, the outputs (time tiles found by a search over ``query_start_loc`` on the
+    device), then the states, so no output reads a state the step has written. A ``channels_last`` state moves in
+    128-bit accesses, a ``channels_first`` one an element at a time (slower; the same bits). Known gaps: float64
+    inputs with a bfloat16 state round twice (through float32), and NaN payloads converted between dtypes are
+    canonicalised. No autograd formula. Registered as ``torch.ops.ple.ple_conv`` (mutating ``residual`` and
+    ``conv_state``; its schema calls the mode ``conv_mode``): the index values are checked inside the op unless
+    ``validate=False``; the launches take their grids from shapes and read index values only on the device, so then
+    the call makes no device-to-host synchronisation. CPU tensors are refused (``ValueError``) while the kernels are
+    compiled; under ``TRITON_INTERPRET=1`` they run on the CPU."""
     _checks.ple_conv_meta(
         inputs, residual, conv_state, conv_weights, state_indices, mode=mode, dilation=dilation,
         query_start_loc=query_start_loc, has_initial_states=has_initial_states,
@@ -425,6 +436,11 @@ def export_conv_checkpoints(inputs: torch.Tensor, conv_state: torch.Tensor, *,
                             query_start_loc: torch.Tensor, offsets: torch.Tensor, slots: torch.Tensor,
                             state_len: int, token_indices: torch.Tensor | None = None,
                             null_slot: int = 0, validate: bool = True) -> None:
+    """One copy kernel (a program per request and channel block): each checkpoint's S input rows go to the slot's
+    columns ``[0, S)``, converted to the state's dtype; it reads no state. Registered as
+    ``torch.ops.ple.export_conv_checkpoints`` (mutating ``conv_state``): the values are checked inside the op unless
+    ``validate=False``; the grid comes from shapes, so then nothing is read back. CPU tensors are refused
+    (``ValueError``) while the kernels are compiled; under ``TRITON_INTERPRET=1`` they run on the CPU."""
     _checks.export_meta(inputs, conv_state, query_start_loc=query_start_loc, offsets=offsets, slots=slots,
                         state_len=state_len, token_indices=token_indices, null_slot=null_slot)
     _export_op(inputs, conv_state, query_start_loc, offsets, slots, state_len, token_indices, null_slot,

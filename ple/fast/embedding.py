@@ -53,7 +53,7 @@ import triton.language as tl
 from .. import _checks
 from ..reference import embedding as _reference
 from ._library import register, twin
-from ._numerics import acc_dtype, deterministic, down, is_fp64, pow2_block, up
+from ._numerics import acc_dtype, deterministic, down, is_fp64, pow2_block, sorted_run_start, up
 
 __all__ = ["embedding_lookup"]
 
@@ -111,11 +111,8 @@ def _lookup_bwd_sorted_kernel(g_ptr, pairs_ptr, dw_ptr, M, D,
                               IS_G_BF16: tl.constexpr, DT: tl.constexpr, IS_DT_BF16: tl.constexpr,
                               IS_FP64: tl.constexpr, UNROLL: tl.constexpr, BLOCK_D: tl.constexpr):
     # pairs: [M, 2] int64 (id, flat row) sorted by id, stable; g: [M, D] contiguous; dw: [rows, D] zeroed.
-    p = tl.program_id(0).to(tl.int64)
-    two = tl.arange(0, 2).to(tl.int64)
-    rid, _ = tl.split(tl.load(pairs_ptr + 2 * p + two))
-    prev = tl.load(pairs_ptr + 2 * p - 2, mask=p > 0, other=-1)  # ids are >= 0
-    if rid != prev:                                              # p starts the run of rid
+    p, two, rid, starts = sorted_run_start(pairs_ptr)
+    if starts:                                                   # p starts the run of rid
         d = tl.program_id(1).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D).to(tl.int64)
         dm = d < D
         if IS_FP64:
@@ -231,5 +228,13 @@ _lookup_op = register("embedding_lookup", _lookup_impl, fake=_lookup_fake, backw
 
 @twin(_reference.embedding_lookup)
 def embedding_lookup(weight: torch.Tensor, ids: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
+    """A gather kernel over the ``T * NH`` output rows (copies: ``weight[ids]`` bit for bit). Backward
+    (``torch.ops.ple.embedding_lookup_backward``), a dense ``[rows, D]`` gradient: by default ``tl.atomic_add`` into
+    a zeroed float32 (float64 for a float64 table) buffer cast to the table's dtype, so the last bits of a row hit
+    many times may vary from run to run; under ``torch.use_deterministic_algorithms(True)`` the ids are sorted on
+    the device and each row's gradients summed in token order (no atomics: the same bits every run). Registered as
+    ``torch.ops.ple.embedding_lookup``: the ids' range is checked inside the op unless ``validate=False`` (then no
+    host read: the grid comes from shapes). CPU tensors are refused (``ValueError``) while the kernels are compiled;
+    under ``TRITON_INTERPRET=1`` they run on the CPU."""
     _checks.lookup_meta(weight, ids)
     return _lookup_op(weight, ids, bool(validate))

@@ -224,5 +224,13 @@ _gate_op = register("ple_gate", _gate_impl, fake=_gate_fake, backward=_gate_back
 def ple_gate(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor,
              norm_key_weight: torch.Tensor, norm_query_weight: torch.Tensor,
              norm_conv_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One forward kernel (a program per token, every stream); the backward (``ple.ple_gate_backward``) is three
+    launches without atomics, whose bits under ``torch.use_deterministic_algorithms(True)`` do not depend on the
+    block sizes either. Everything is computed in float32 (float64 for float64 inputs) and rounded to the input
+    dtype where the reference rounds (bfloat16 on the bits), but the sums over H run in chunks, in another order
+    than the reference's: equal within the tolerance, not bit for bit. The backward recomputes the forward in
+    float32 without those roundings. Registered as ``torch.ops.ple.ple_gate``; the gate has no value checks, so it
+    never reads a tensor value on the host. CPU tensors are refused (``ValueError``) while the kernels are compiled;
+    under ``TRITON_INTERPRET=1`` they run on the CPU."""
     _checks.gate_call(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps)
     return _gate_op(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, float(eps))

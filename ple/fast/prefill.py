@@ -60,7 +60,7 @@ from ..reference import prefill as _reference
 from . import _numerics
 from . import gate as _gate
 from . import training_conv as _tconv
-from ._gate_math import BLOCK_H, STATE_WARPS, conv_norm_chunk, conv_rows, row_scalars
+from ._gate_math import BLOCK_H, STATE_WARPS, conv_inputs_chunk, conv_norm_chunk, conv_rows, row_scalars
 from ._library import register, twin
 from ._numerics import convert, down, rnd, scalars, silu, tile_of, up
 from .prefill_inputs import prefill_conv_inputs
@@ -242,9 +242,8 @@ def _prefill_state_kernel(
     hh = tl.arange(0, BLOCK_H).to(tl.int64)
     for h0 in range(0, H, BLOCK_H):
         h = h0 + hh
-        hm, c, wc1 = conv_norm_chunk(wc_ptr, stride_wc_c, m, H, h, IS_FP64)
-        _, u = conv_rows(value_ptr, stride_value_t, stride_value_h, prow, from_x, h, hm, g, r_x, wc1,
-                         XT, IS_BF16, IS_FP64)
+        hm, c, u = conv_inputs_chunk(value_ptr, stride_value_t, stride_value_h, wc_ptr, stride_wc_c, prow, from_x,
+                                     m, H, h, g, r_x, XT, IS_BF16, IS_FP64)
         u = down(u * kf[:, None], XT, IS_BF16)
         sv = tl.load(state_row + (n + i)[:, None] * stride_state_w + c[None, :] * stride_state_c,
                      mask=from_state[:, None] & hm[None, :], other=0.0)
@@ -427,6 +426,15 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
                 state_indices: torch.Tensor | None = None, has_initial_states: torch.Tensor | None = None,
                 token_indices: torch.Tensor | None = None, null_slot: int = 0,
                 validate: bool = True) -> torch.Tensor:
+    """Fused: one kernel (``_prefill_kernel``, a program per time tile and stream) does the gate, ``keep``, the
+    conv, silu and both adds, so ``gated`` and ``conv_input`` never go to memory (each tap's conv input is
+    recomputed from ``value`` and its row's gate). Without a conv state (``torch.ops.ple.ple_prefill``) the backward
+    recomputes the gate and runs the training conv's and the gate's backward kernels. With one
+    (``torch.ops.ple.ple_prefill_serving``, mutating ``conv_state``, no autograd formula) a second kernel then
+    writes the slots' new columns, recomputed the same way (``prefill_conv_inputs`` gives them). The sums over H run
+    in chunks, in another order than the reference's (within the tolerance, as the fast gate). The values are
+    checked inside the op unless ``validate=False``, which reads nothing back. CPU tensors are refused
+    (``ValueError``) while the kernels are compiled; under ``TRITON_INTERPRET=1`` they run on the CPU."""
     _checks.prefill_meta(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
                          conv_weights, dilation=dilation, query_start_loc=query_start_loc, keep=keep,
                          conv_state=conv_state, state_indices=state_indices,

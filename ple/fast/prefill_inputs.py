@@ -1,8 +1,8 @@
 """``prefill_conv_inputs``: the conv inputs a serving ``ple_prefill`` writes into the conv state, for tests.
 
 ``ple.fast.prefill``'s state kernel recomputes each new state column, the conv input of one position,
-from ``key``, ``value`` and ``hidden_states`` (``_gate_math.row_scalars``, then ``conv_norm_chunk`` and
-``conv_rows`` per chunk of H) at its own tile shape, ``[next_power_of_2(S), BLOCK_H]`` with
+from ``key``, ``value`` and ``hidden_states`` (``_gate_math.row_scalars``, then ``conv_inputs_chunk``
+per chunk of H) at its own tile shape, ``[next_power_of_2(S), BLOCK_H]`` with
 ``STATE_WARPS`` warps. ``_conv_inputs_kernel`` runs the same code at the same shape over every row, so
 a test can check a state against the conv inputs of its history bit for bit
 (``ple.testing.serving.replay``). Test-only: no op registration, no autograd. Public as
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._gate_math import BLOCK_H, STATE_WARPS, conv_norm_chunk, conv_rows, row_scalars
+from ._gate_math import BLOCK_H, STATE_WARPS, conv_inputs_chunk, row_scalars
 from ._numerics import down, eps_parts, is_fp64, scalars
 
 __all__ = ["prefill_conv_inputs"]
@@ -43,9 +43,8 @@ def _conv_inputs_kernel(
     hh = tl.arange(0, BLOCK_H).to(tl.int64)
     for h0 in range(0, H, BLOCK_H):
         h = h0 + hh
-        hm, c, wc1 = conv_norm_chunk(wc_ptr, stride_wc_c, m, H, h, IS_FP64)
-        _, u = conv_rows(value_ptr, stride_value_t, stride_value_h, prow, rmask, h, hm, g, r_x, wc1,
-                         XT, IS_BF16, IS_FP64)
+        hm, c, u = conv_inputs_chunk(value_ptr, stride_value_t, stride_value_h, wc_ptr, stride_wc_c, prow, rmask,
+                                     m, H, h, g, r_x, XT, IS_BF16, IS_FP64)
         tl.store(out_ptr + prow[:, None] * stride_out_t + c[None, :] * stride_out_c, down(u, XT, IS_BF16),
                  mask=rmask[:, None] & hm[None, :])
 

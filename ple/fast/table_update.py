@@ -39,7 +39,7 @@ from .. import _checks
 from .. import reference as _reference
 from ..reference.table_update import rule_constants
 from ._library import register, twin
-from ._numerics import down, up
+from ._numerics import down, sorted_run_start, up
 
 __all__ = ["table_update"]
 
@@ -57,11 +57,8 @@ def _update_kernel(w_ptr, stride_w_r, stride_w_d, g_ptr, stride_g_m, stride_g_d,
                    IS_W_BF16: tl.constexpr, UNROLL: tl.constexpr, BLOCK_D: tl.constexpr):
     # pairs: [M, 2] int64 (id, position) sorted by id, stable. RULE: 0 sgd, 1 adagrad (s: [rows]),
     # 2 adam (m: [rows, D], s: v [rows]). d_count: D as a float32 (the mean's divisor).
-    p = tl.program_id(0).to(tl.int64)
-    two = tl.arange(0, 2).to(tl.int64)
-    rid, _ = tl.split(tl.load(pairs_ptr + 2 * p + two))
-    prev = tl.load(pairs_ptr + 2 * p - 2, mask=p > 0, other=-1)  # ids are >= 0
-    if rid != prev:                                              # p starts the run of rid
+    p, two, rid, starts = sorted_run_start(pairs_ptr)
+    if starts:                                                   # p starts the run of rid
         d = tl.arange(0, BLOCK_D).to(tl.int64)
         dm = d < D
         # g: the run's gradient rows, one add after another in sorted (= lookup) order, from +0.0
@@ -152,12 +149,13 @@ _update_op = register("table_update", _update_impl, fake=_no_output, mutates_arg
 def table_update(weight: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor, state: tuple[torch.Tensor, ...], *,
                  rule: str, lr: float, weight_decay: float = 0.0, eps: float = 1e-8,
                  betas: tuple[float, float] = (0.9, 0.999), step: int = 1, validate: bool = True) -> None:
-    """One kernel over the ids sorted on the device: the program that starts a run of equal ids sums the
-    run's gradient rows in lookup order and updates the row and its state, each written once (no
-    atomics: the same bits run after run; no host read with ``validate=False``). Square roots and
-    divisions are correctly rounded and nothing is fused into a multiply-add, so SGD equals the
-    reference bit for bit; Adagrad and Adam sum ``g * g`` for the mean in the kernel's own order.
-    Registered as ``torch.ops.ple.table_update`` (mutating ``weight`` and ``state``)."""
+    """One kernel over the ids sorted on the device: the program that starts a run of equal ids sums the run's
+    gradient rows in lookup order and updates the row and its state, each written once (no atomics: the same bits
+    run after run; no host read with ``validate=False``). Square roots and divisions are correctly rounded and
+    nothing is fused into a multiply-add, so SGD equals the reference bit for bit; Adagrad and Adam sum ``g * g``
+    for the mean in the kernel's own order. Registered as ``torch.ops.ple.table_update`` (mutating ``weight`` and
+    ``state``). CPU tensors are refused (``ValueError``) while the kernels are compiled; under
+    ``TRITON_INTERPRET=1`` they run on the CPU."""
     _checks.table_update_meta(weight, ids, grad, state, rule, lr, weight_decay, eps, betas, step)
     _update_op(weight, ids, grad, list(state), rule, float(lr), float(weight_decay), float(eps), float(betas[0]),
                float(betas[1]), int(step), bool(validate))

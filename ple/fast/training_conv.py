@@ -430,5 +430,14 @@ _op = register("dilated_causal_conv", _fwd_impl, fake=_fwd_fake, backward=_backw
 @twin(_reference.dilated_causal_conv)
 def dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: int,
                         cu_seqlens: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
+    """Forward: one kernel over tiles of consecutive positions of one sequence, each loading its rows and the S rows
+    before them once (a packed tile finds its sequence by a scan over ``cu_seqlens`` on the device). Backward
+    (``torch.ops.ple.dilated_causal_conv_backward``): one kernel for the input's gradient and per-tile partial sums
+    of the weight's, which the launcher adds (no atomics); under ``torch.use_deterministic_algorithms(True)`` the
+    weight gradient is summed in fixed chunks of positions in token order, so its bits do not depend on the block
+    sizes. Float32 accumulation (float64 for float64 inputs). Registered as ``torch.ops.ple.dilated_causal_conv``:
+    ``cu_seqlens`` is checked inside the op unless ``validate=False``, then nothing is read back, forward or
+    backward. CPU tensors are refused (``ValueError``) while the kernels are compiled; under ``TRITON_INTERPRET=1``
+    they run on the CPU."""
     _checks.dilated_causal_conv_meta(x, weight, dilation, cu_seqlens)
     return _op(x, weight, dilation, cu_seqlens, bool(validate))

@@ -28,7 +28,7 @@ from .policy import mark_config, mark_metadata, problems_of, refuse_unless_ple_o
 from .save import CheckpointTable, parse_table_dtype, prepare_dst, table_entries, tensor_entry, write_checkpoint
 
 if TYPE_CHECKING:
-    from .files import ConfigSource, TableDtype
+    from .files import CheckpointSource, ConfigSource, TableDtype
 
 __all__ = ["convert", "WEIGHT_SUFFIXES"]
 
@@ -44,7 +44,7 @@ def _copy_entry(ckpt: Checkpoint, key: str, block_bytes: int, new_key: str | Non
             yield ckpt.read(key)
             return
         row = max(info.nbytes // max(info.shape[0], 1), 1)
-        for _, block in ckpt.read_rows(key, 0, info.shape[0], block_rows=max(1, block_bytes // row)):
+        for _, block in ckpt.read_rows(key, 0, info.shape[0], rows_per_block=max(1, block_bytes // row)):
             yield block
 
     return Entry(new_key or key, info.dtype, info.shape, produce)
@@ -70,12 +70,7 @@ def convert(src: str | os.PathLike[str] | list[str | os.PathLike[str]] | tuple[s
     ``config.json`` gets ``"ple_only"`` (the reasons) and each file ``ple.only`` in its
     metadata. Converting back to a float table with separate projections removes the mark.
     """
-    ckpt = Checkpoint.open(src)
-    cfg = resolve_config(ckpt, config)
-    if cfg is None:
-        raise ValueError(f"config: not given, and {ckpt.root} has neither a saved config nor a config.json")
-    if parts is not None:
-        _checks.int_arg("parts", parts, minimum=0)
+    ckpt, cfg = open_source(src, config, parts)
     target = parse_table_dtype(table_dtype)
     plans = layer_plans(ckpt, cfg, "src")
     problems = problems_of((target if isinstance(target, Scheme) else plan.scheme if target is None else None,
@@ -138,6 +133,18 @@ def write_converted(ckpt: Checkpoint, cfg: PLEConfig, entries: list[Entry], dst:
     files = write_checkpoint(path, single, entries, metadata=mark_metadata(meta, problems),
                              max_file_bytes=max_file_bytes, config=None, problems=problems)
     return path, single, files
+
+
+def open_source(src: CheckpointSource, config: ConfigSource, parts: int | None) -> tuple[Checkpoint, PLEConfig]:
+    """The checkpoint a rewrite reads (`convert`'s ``src``, ``merge``'s base) and its config: ``config``, else
+    the one saved in it or beside it (none: a ``ValueError``); ``parts`` checked (None, or at least 0)."""
+    ckpt = Checkpoint.open(src)
+    cfg = resolve_config(ckpt, config)
+    if cfg is None:
+        raise ValueError(f"config: not given, and {ckpt.root} has neither a saved config nor a config.json")
+    if parts is not None:
+        _checks.int_arg("parts", parts, minimum=0)
+    return ckpt, cfg
 
 
 def layer_plans(ckpt: Checkpoint, cfg: PLEConfig, arg: str) -> list[LayerPlan]:

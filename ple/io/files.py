@@ -7,7 +7,7 @@ and each tensor's dtype and shape from it (``metadata()``, ``offset_keys()``,
 ``get_slice(key).get_dtype()`` / ``get_shape()``); tensor data is read on demand, a block of
 rows at a time, through ``get_slice(key)[a:b]`` (memory-mapped), so nothing larger than the
 block asked for is ever in memory. FP8 (``F8_E4M3``, ``F8_E5M2``) too: the torch framework
-makes float8 tensors and slices since safetensors PR #404 (early 2024; an older safetensors
+makes float8 tensors and slices in safetensors releases since early 2024 (an older one
 fails such a read with a ``ValueError`` naming the key and the file).
 
 Hand-written, because the library does not cover it (each place says why): the diagnosis of a
@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .._deprecation import deprecated_parameter
 from .writer import INDEX_NAME, ST_DTYPES, Entry, bytes_of, write_file, write_files
 
 __all__ = ["TensorInfo", "Checkpoint", "Entry", "write_file", "write_files", "INDEX_NAME",
@@ -139,8 +140,8 @@ def _parse_header(file: Path) -> tuple[dict[str, str], dict[str, tuple[torch.dty
     exactly at the end of the file), but says which file, which tensor and what is wrong
     (a ``torch.save`` file named as one, the tensor a truncated file cuts off, trailing
     bytes), where the library's error names neither. A file it finds sound is one the
-    library could not map: its offsets, which the library does not expose (safetensors
-    issue #569, declined as "trivial to do in pure python"), serve `Checkpoint`'s
+    library could not map: its offsets, which the library does not expose (its maintainers
+    leave that to pure Python), serve `Checkpoint`'s
     positioned reads. Reads the 8-byte length and the JSON header only.
     """
     size = file.stat().st_size
@@ -362,9 +363,11 @@ class Checkpoint:
                                  f"[{a}, {b}) (truncated file?)")
         return out
 
+    @deprecated_parameter("block_rows", "rows_per_block", since="0.1.0")
     def read_rows(self, key: str, start: int, stop: int, *,
-                  block_rows: int) -> Iterator[tuple[int, torch.Tensor]]:
-        """Rows ``[start, stop)`` of ``key`` in blocks of at most ``block_rows``: ``(first row, block)``."""
-        for a in range(start, stop, max(block_rows, 1)):
-            b = min(a + block_rows, stop)
+                  rows_per_block: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """Rows ``[start, stop)`` of ``key`` in blocks of at most ``rows_per_block``: ``(first row, block)``.
+        (The keyword ``block_rows=`` still works and warns: deprecated.)"""
+        for a in range(start, stop, max(rows_per_block, 1)):
+            b = min(a + rows_per_block, stop)
             yield a, self.read(key, a, b)

@@ -153,7 +153,7 @@ def _expect(ckpt: Checkpoint, prefix: str, key: str, shape: tuple[int, ...], *, 
     return info
 
 
-def _missing_last_shards(ckpt: Checkpoint, prefix: str, keys: list[str], rows: int, D: int, split: int) -> None:
+def _missing_last_shards(ckpt: Checkpoint, prefix: str, keys: list[str], rows: int, dim: int, split: int) -> None:
     """Fail naming the first missing shard when the shards found hold too few rows and are the first
     shards of a split into more parts: the config's ``split_ngram_parts``, or the fewest parts of their
     size."""
@@ -163,7 +163,7 @@ def _missing_last_shards(ckpt: Checkpoint, prefix: str, keys: list[str], rows: i
     if have >= rows or not size:
         return
     for parts in dict.fromkeys((split, -(-rows // size))):
-        if parts > len(keys) and [(b - a, D) for a, b in shard_rows(rows, parts)[:len(keys)]] == found:
+        if parts > len(keys) and [(b - a, dim) for a, b in shard_rows(rows, parts)[:len(keys)]] == found:
             _fail(prefix, SHARD.format(k=len(keys)),
                   f"missing: shards 0..{len(keys) - 1} hold {have} of the table's {rows} rows, as the first "
                   f"{len(keys)} of {parts} shards would (the config's split_ngram_parts is {split}); expected "

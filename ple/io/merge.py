@@ -1,4 +1,4 @@
-"""Merging a trained overlay into its base: `merge` writes one whole checkpoint of base + overlay (SPEC 12).
+"""Merging a trained overlay into its base: `merge` writes one whole checkpoint of base + overlay (docs/spec.md 12).
 
 A disk table trained through an overlay (``load_layer(path, offload="disk", overlay=DIR)``, ``ple.io.disk_train``)
 leaves the checkpoint's files as they were and the rows training changed in ``DIR``. `merge` writes a new
@@ -29,14 +29,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import _checks
+from .._deprecation import deprecated_parameter
 from ..quant import Scheme
 from ._overlay_files import differences
-from .convert import WEIGHT_SUFFIXES, _copy_entry, _copy_other_files, _out_dtype, layer_plans, write_converted
+from .convert import (
+    WEIGHT_SUFFIXES,
+    _copy_entry,
+    _copy_other_files,
+    _out_dtype,
+    layer_plans,
+    open_source,
+    write_converted,
+)
 from .disk import DiskTable
 from .disk_train import base_fingerprint
 from .files import Checkpoint, dtype_name
 from .layout import LayerPlan
-from .load import BLOCK_BYTES, resolve_config, table_blocks
+from .load import BLOCK_BYTES, table_blocks
 from .optim_state import OPTIMIZER_DIR
 from .overlay import OverlayStore
 from .policy import problems_of, refuse_unless_ple_only
@@ -70,8 +79,10 @@ class MergedTable(_TableSource):
         self.num_rows, self.dim, self.dtype = plan.num_rows, plan.dim, dtype
         self.global_scale = None
 
-    def blocks(self, start: int, stop: int, block_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
-        for lo, v, s in table_blocks(self.ckpt, self.plan, start, stop, block_rows):
+    @deprecated_parameter("block_rows", "rows_per_block", since="0.1.0")
+    def blocks(self, start: int, stop: int,
+               rows_per_block: int) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        for lo, v, s in table_blocks(self.ckpt, self.plan, start, stop, rows_per_block):
             values = _floats(self.base, v, self.base.global_scale if s is None else s, self.dtype)
             if values is v:                             # a view of the file's (private) mapping: not written into
                 values = v.clone()
@@ -124,12 +135,7 @@ def merge(path: CheckpointSource, overlay: str | os.PathLike[str], out: str | os
     Returns a summary: ``files`` written, ``layers`` (prefixes), ``tables`` (each as written), and
     ``overlays``: per layer ``{"path", "rows", "generation", "dtype"}`` of the overlay merged, or None.
     """
-    ckpt = Checkpoint.open(path)
-    cfg = resolve_config(ckpt, config)
-    if cfg is None:
-        raise ValueError(f"config: not given, and {ckpt.root} has neither a saved config nor a config.json")
-    if parts is not None:
-        _checks.int_arg("parts", parts, minimum=0)
+    ckpt, cfg = open_source(path, config, parts)
     _checks.int_arg("block_bytes", block_bytes, minimum=1)
     target = parse_table_dtype(table_dtype)
     if not isinstance(overlay, (str, os.PathLike)):

@@ -134,7 +134,7 @@ def load_optimizer(optimizer: Any, path: str | os.PathLike[str]) -> None:
     continues as if never stopped (``load_state_dict``'s checks: another rule, another number or size of
     tables is a ``ValueError`` naming ``state_dict`` ... and nothing is loaded).
 
-    Disk tables trained through an overlay (``load_layer(..., offload="disk", overlay=DIR)``, SPEC 12) keep
+    Disk tables trained through an overlay (``load_layer(..., offload="disk", overlay=DIR)``, docs/spec.md 12) keep
     their rows' state in the overlay itself: ``path`` is then DIR, and what is loaded is the step count and
     hyperparameters of the overlay's last flush.
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from .. import _checks
+from .._deprecation import deprecated_parameter
 from ..config import PLEConfig
 from ..quant import SCHEMES, Scheme, dequantize, fp8_scale, quantize, scheme_of
 from .files import Checkpoint, Entry, write_file, write_files
@@ -86,7 +87,8 @@ class _TableSource:
     def scheme(self) -> Scheme | None:
         return scheme_of(self.dtype)
 
-    def blocks(self, start: int, stop: int, block_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+    def blocks(self, start: int, stop: int,
+               rows_per_block: int) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
         raise NotImplementedError
 
 
@@ -98,9 +100,10 @@ class _MemoryTable(_TableSource):
         self.dtype = self.weight.dtype
         self.global_scale = self.scale.cpu() if self.scale is not None and self.scale.dim() == 1 else None
 
-    def blocks(self, start: int, stop: int, block_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
-        for a in range(start, stop, block_rows):
-            b = min(a + block_rows, stop)
+    def blocks(self, start: int, stop: int,
+               rows_per_block: int) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        for a in range(start, stop, rows_per_block):
+            b = min(a + rows_per_block, stop)
             scale = None
             if self.scale is not None:
                 scale = self.scale[a:b] if self.scale.dim() == 2 else self.scale
@@ -116,8 +119,10 @@ class CheckpointTable(_TableSource):
         self.num_rows, self.dim, self.dtype = plan.num_rows, plan.dim, plan.table_dtype
         self.global_scale = ckpt.read(plan.scale_key).reshape(1) if plan.scale_key else None
 
-    def blocks(self, start: int, stop: int, block_rows: int) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
-        for _, values, scale in table_blocks(self.ckpt, self.plan, start, stop, block_rows):
+    @deprecated_parameter("block_rows", "rows_per_block", since="0.1.0")
+    def blocks(self, start: int, stop: int,
+               rows_per_block: int) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        for _, values, scale in table_blocks(self.ckpt, self.plan, start, stop, rows_per_block):
             yield values, self.global_scale if scale is None else scale
 
 
@@ -128,10 +133,10 @@ def _floats(src: _TableSource, v: torch.Tensor, s: torch.Tensor | None, dtype: t
     return dequantize(v, s, dtype)
 
 
-def _amax(src: _TableSource, block_rows: int) -> torch.Tensor:
+def _amax(src: _TableSource, rows_per_block: int) -> torch.Tensor:
     """The largest magnitude of the table (exact: a max needs no float32 copy of a float table)."""
     amax = torch.zeros((), dtype=torch.float32)
-    for v, s in src.blocks(0, src.num_rows, block_rows):
+    for v, s in src.blocks(0, src.num_rows, rows_per_block):
         if v.numel():
             x = v if src.scheme is None else _floats(src, v, s, torch.float32)
             amax = torch.maximum(amax, x.abs().max().float())
@@ -145,7 +150,7 @@ def table_entries(src: _TableSource, prefix: str, parts: int, target: TableDtype
     if kind is None:
         kind = src.scheme or src.dtype
     out_dtype = kind.dtype if isinstance(kind, Scheme) else kind
-    block_rows = max(1, block_bytes // max(D * 4, 1))          # blocks pass through float32
+    rows_per_block = max(1, block_bytes // max(D * 4, 1))      # blocks pass through float32
     ranges = [(0, rows)] if parts == 0 else shard_rows(rows, parts)
     names = [TABLE] if parts == 0 else [SHARD.format(k=k) for k in range(parts)]
     same = src.scheme is not None and kind is src.scheme
@@ -154,10 +159,10 @@ def table_entries(src: _TableSource, prefix: str, parts: int, target: TableDtype
     width = kind.weight_width(D) if isinstance(kind, Scheme) else D      # NF4: D/2 + 4 bytes a row
     scale = None
     if fp8:
-        scale = src.global_scale if same else fp8_scale(_amax(src, block_rows))
+        scale = src.global_scale if same else fp8_scale(_amax(src, rows_per_block))
 
     def values(a: int, b: int) -> Iterator[torch.Tensor]:
-        for v, s in src.blocks(a, b, block_rows):
+        for v, s in src.blocks(a, b, rows_per_block):
             if same:
                 yield v
             elif isinstance(kind, Scheme):
@@ -166,7 +171,7 @@ def table_entries(src: _TableSource, prefix: str, parts: int, target: TableDtype
                 yield _floats(src, v, s, kind)
 
     def row_scales(a: int, b: int) -> Iterator[torch.Tensor]:      # int8 targets only
-        for v, s in src.blocks(a, b, block_rows):
+        for v, s in src.blocks(a, b, rows_per_block):
             if same:
                 yield cast(torch.Tensor, s)                           # an int8 source's blocks have scales
             else:

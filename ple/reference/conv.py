@@ -131,12 +131,12 @@ def ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Ten
             a floating-point tensor; ``residual`` or ``outer_residual`` has another dtype than ``inputs``.
         TypeError: ``state_indices``, ``query_start_loc``, ``num_accepted_tokens`` or ``token_indices`` is
             not an int32 / int64 tensor; ``has_initial_states`` is not a bool or integer tensor.
-        TypeError: ``dilation``, ``null_slot`` or ``spec_query_len`` is not an int.
+        TypeError: ``dilation``, ``null_slot`` or ``spec_query_len`` is not an int; ``mode`` is not a str.
         ValueError: ``inputs`` is not 2-D; ``residual`` or ``outer_residual`` is not ``[T, C]``.
         ValueError: ``conv_state`` is not ``[num_slots, C, W]``, or ``W < S``, or (spec)
             ``W < S + spec_query_len - 1``.
         ValueError: ``conv_weights`` is not ``[C, K]`` with ``K >= 1``.
-        ValueError: ``mode`` is not one of the three; ``dilation`` is below 1; (spec) ``spec_query_len``
+        ValueError: ``mode`` is a str but not one of the three; ``dilation`` is below 1; (spec) ``spec_query_len``
             is below 1.
         ValueError: a tensor argument is on another device than ``inputs``, or an index or flag tensor
             is on the meta device.

@@ -115,7 +115,7 @@ def hash_params(config: PLEConfig, ple_layer_index: int) -> HashParams:
     """
     if not isinstance(config, PLEConfig):
         raise TypeError(f"config: expected a PLEConfig, got {type(config).__name__}")
-    _checks.int_arg("ple_layer_index", ple_layer_index, minimum=0)
+    ple_layer_index = _checks.int_arg("ple_layer_index", ple_layer_index, minimum=0)   # a numpy int: a Python int
     NH = config.num_ngram_heads
     mult = layer_multipliers(config.vocab_size, config.ngram_size, config.seed, ple_layer_index)
     # Layer L takes the NH consecutive primes after the first L * NH primes >= base.
@@ -135,11 +135,13 @@ def hash_params(config: PLEConfig, ple_layer_index: int) -> HashParams:
     )
 
 
-def _request_token_lists(input_ids: torch.Tensor, N: int, eos_token_id: int, query_start_loc: torch.Tensor | None,
+def _request_token_lists(input_ids: torch.Tensor, ngram_size: int, eos_token_id: int,
+                         query_start_loc: torch.Tensor | None,
                          ngram_context: torch.Tensor | None) -> list[torch.Tensor]:
     """Per request, ``ctx ++ x`` as int64 ``[N - 1 + q]``: its N-1 context tokens (oldest first; all EOS
     without ``ngram_context``), then its q tokens (docs/spec.md section 3). Reads ``query_start_loc`` on the
     host."""
+    N = ngram_size
     ids = input_ids.to(torch.int64)
     query_start_loc_list = [0, ids.numel()] if query_start_loc is None else query_start_loc.tolist()
     R = len(query_start_loc_list) - 1
@@ -150,9 +152,10 @@ def _request_token_lists(input_ids: torch.Tensor, N: int, eos_token_id: int, que
     return [torch.cat([ctx[r], ids[query_start_loc_list[r]:query_start_loc_list[r + 1]]]) for r in range(R)]
 
 
-def _windows(seq: torch.Tensor, N: int, eos_token_id: int) -> torch.Tensor:
+def _request_windows(seq: torch.Tensor, ngram_size: int, eos_token_id: int) -> torch.Tensor:
     """The window of every token of one request, ``[q, N]``: column k the token k positions back
     (column 0 the token itself), after the EOS rule. ``seq`` is ``ctx ++ x`` (`_request_token_lists`)."""
+    N = ngram_size
     q = seq.numel() - (N - 1)
     window = [seq[N - 1:]]                                      # w[0]: the token itself
     seen_eos = torch.zeros(q, dtype=torch.bool, device=seq.device)
@@ -175,7 +178,7 @@ def ngram_windows(input_ids: torch.Tensor, *, ngram_size: int, eos_token_id: int
     in `ngram_ids`.
     """
     N = ngram_size
-    windows = [_windows(seq, N, eos_token_id)
+    windows = [_request_windows(seq, N, eos_token_id)
                for seq in _request_token_lists(input_ids, N, eos_token_id, query_start_loc, ngram_context)]
     return torch.cat(windows) if windows else torch.zeros(0, N, dtype=torch.int64, device=input_ids.device)
 
@@ -265,7 +268,7 @@ def _ngram_ids(input_ids: torch.Tensor, params: HashParams, heads_per_ngram: int
     sizes, offsets = params.head_sizes.to(dev), params.head_offsets.to(dev)
     out = []
     for seq in _request_token_lists(input_ids, N, eos_token_id, query_start_loc, ngram_context):
-        w = _windows(seq, N, eos_token_id)                      # [q, N]
+        w = _request_windows(seq, N, eos_token_id)              # [q, N]
         # docs/spec.md 3: mix_n = (w[0]*m[0]) ^ ... ^ (w[n-1]*m[n-1]) (int64, wrapping modulo 2**64);
         # head h = (n-2)*P + j takes row mix_n % size[h] + offset[h] (% on tensors: the floor remainder).
         mix = w[:, 0] * m[0]

@@ -140,6 +140,30 @@ def conv_inputs_of_step(layer: PLELayer, hidden: torch.Tensor, batch: StepBatch)
     return layer.gate(emb, hidden)[1]
 
 
+def step_each(layers: Sequence[PLELayer], caches: Sequence[PLECache], slots: Sequence[Sequence[int]],
+              plan: Sequence[tuple[str, int, Any]], *, generator: torch.Generator | None = None,
+              dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> list[torch.Tensor]:
+    """One step of ``plan`` through each layer on its own cache (a sharded layer and the whole one, say).
+
+    ``plan``'s ``(kind, request, tokens)`` entries (kind ``"prefill"``, ``"decode"`` or ``"spec"``) are
+    scheduled on each cache, request r on that cache's ``slots[r]``. The hidden states, ``[tokens, C]`` normal
+    draws (``torch.randn`` with ``generator``, ``dtype`` and ``device``), are drawn once, at the first layer,
+    and every layer steps on them. Returns the layers' outputs, in order.
+    """
+    h = None
+    outs = []
+    for layer, cache, s in zip(layers, caches, slots, strict=True):
+        items: list[Prefill | Decode | Spec] = [
+            Prefill(s[r], t) if kind == "prefill" else Decode(s[r], t) if kind == "decode" else Spec(s[r], t)
+            for kind, r, t in plan]
+        batch = cache.schedule(items)
+        if h is None:
+            h = torch.randn(batch.num_tokens, layer.config.hc_hidden_size, generator=generator, dtype=dtype,
+                            device=device)
+        outs.append(layer.step(h, batch, cache))
+    return outs
+
+
 def replay(layers: Iterable[PLELayer], cache: PLECache, script: Iterable[Sequence[Action]], *,
            generator: torch.Generator | None = None, check_states: bool = True,
            on_step: Callable[[int, StepBatch, float], object] | None = None,

@@ -53,7 +53,7 @@ def _row_requests(query_start_loc: torch.Tensor, num_rows: int) -> tuple[torch.T
     return req, query_start_loc[req]
 
 
-def _read_windows(conv_state: torch.Tensor, slots: torch.Tensor, owns: torch.Tensor, width: int,
+def _read_windows(conv_state: torch.Tensor, state_indices: torch.Tensor, owns: torch.Tensor, width: int,
                   null_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each request's slot to read and write, and its columns ``[0, width)`` as ``[R, width, C]`` (raw bits).
 
@@ -62,10 +62,10 @@ def _read_windows(conv_state: torch.Tensor, slots: torch.Tensor, owns: torch.Ten
     lies in ``[0, num_slots)``, else slot 0; see `_write_windows`.
     """
     z = null_slot if 0 <= null_slot < conv_state.shape[0] else 0
-    target = torch.where(owns, slots, z)
+    target = torch.where(owns, state_indices, z)
     if conv_state.shape[0] == 0:                        # no slots: every request is on the null slot
-        return target, conv_state.new_zeros(slots.numel(), conv_state.shape[1], width).transpose(1, 2)
-    return target, conv_state[target[:, None], :, torch.arange(width, device=slots.device)]
+        return target, conv_state.new_zeros(state_indices.numel(), conv_state.shape[1], width).transpose(1, 2)
+    return target, conv_state[target[:, None], :, torch.arange(width, device=state_indices.device)]
 
 
 def _write_windows(conv_state: torch.Tensor, target: torch.Tensor, owns: torch.Tensor, new: torch.Tensor,
@@ -101,14 +101,20 @@ def ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Ten
              num_accepted_tokens: torch.Tensor | None = None, spec_query_len: int = 1,
              token_indices: torch.Tensor | None = None, outer_residual: torch.Tensor | None = None,
              null_slot: int = 0, validate: bool = True) -> None:
-    """Eager decode rows on ``PLECache``'s layout go to ``decode.decode_conv`` (``decode.takes_row_path``);
-    every other call takes the general path, all requests at once: logical row i finds its request r
-    (``searchsorted`` on ``query_start_loc``; decode: one row per request) and its position p, tap j reads
-    ``hist_r[S + p - lag_j]`` from ``inputs`` or from the slot's old columns, and the new columns
-    (``new[:, c] = hist_r[base + c]``, ``base = q_r`` and S of them; spec: ``base = 1``, ``S + q_r - 1`` of
-    them) are computed from the states as they were before the call, then written with a fixed shape: the
-    null slot's own bits, read first, are written back to it (``_write_windows``). No tensor becomes a
-    Python value after the checks."""
+    """Eager decode rows on a state with a row view (``PLECache``'s layout) go to ``decode.decode_conv``
+    (``decode.takes_row_path``); every other call takes the general path, all requests at once: logical
+    row i finds its request r (``searchsorted`` on ``query_start_loc``; decode: one row per request) and
+    its position p, tap j reads ``hist_r[S + p - lag_j]`` from ``inputs`` or from the slot's old columns,
+    and the new columns (``new[:, c] = hist_r[base + c]``, ``base = q_r`` and S of them; spec: ``base = 1``,
+    ``S + q_r - 1`` of them) are computed from the states as they were before the call, then written with a
+    fixed shape: the null slot's own bits, read first, are written back to it (``_write_windows``). No
+    tensor becomes a Python value after the checks.
+
+    States are written as rows (``rows.copy_rows_``; under ``torch.compile`` the operator
+    ``ple_torch::copy_rows_``, which mutates the cache in place) where the state has a row view
+    (``rows.state_rows``: ``channels_last``, or one slot, column or channel), else by advanced indexing
+    (``channels_first``). A state of another dtype than the inputs keeps the raw bits of every column the
+    step does not write. ``ple/vectorized/__init__.py`` lists every branch."""
     check = _checks.ple_conv_call if validate else _checks.ple_conv_meta
     check(inputs, residual, conv_state, conv_weights, state_indices, mode=mode, dilation=dilation,
           query_start_loc=query_start_loc, has_initial_states=has_initial_states,
@@ -143,8 +149,8 @@ def _ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Te
     pos = torch.arange(N, device=dev) - first                                   # position in its request
     q = query_start_loc[1:] - query_start_loc[:-1]                              # [R] rows per request
 
-    slots = state_indices.to(torch.int64)
-    live = slots != null_slot                                                   # [R]
+    state_indices = state_indices.to(torch.int64)
+    live = state_indices != null_slot                                           # [R]
     if mode == "spec":
         assert num_accepted_tokens is not None                                  # checked by ple_conv_meta
         reads = live
@@ -158,7 +164,7 @@ def _ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Te
 
     # Every request's old columns [0, width): its history is read from them, the new state written over them.
     width = S + spec_query_len - 1 if mode == "spec" else S
-    target, old = _read_windows(conv_state, slots, live, width, null_slot)
+    target, old = _read_windows(conv_state, state_indices, live, width, null_slot)
     old = old.reshape(R * width, C)                                             # row r*width + c: column c of r
     # All histories in one table: row 0 zeros (no history), rows 1 + [r*width, (r+1)*width) the old columns
     # of request r (so hist_r[k] = row 1 + r*width + o_r + k for k < S), then row 1 + R*width + i: logical row i.
@@ -206,7 +212,8 @@ def export_conv_checkpoints(inputs: torch.Tensor, conv_state: torch.Tensor, *,
                             null_slot: int = 0, validate: bool = True) -> None:
     """All requests at once, on the device, with no host read after the checks: each owner's S new
     columns are gathered from ``inputs`` and written with ``ple_conv``'s fixed-shape write
-    (`_write_windows`), which leaves the bits of every other slot alone."""
+    (`_write_windows`: as rows where the state has a row view, else by advanced indexing), which leaves
+    the bits of every other slot alone. A call with no logical rows returns at once."""
     check = _checks.export_call if validate else _checks.export_meta
     check(inputs, conv_state, query_start_loc=query_start_loc, offsets=offsets, slots=slots,
           state_len=state_len, token_indices=token_indices, null_slot=null_slot)

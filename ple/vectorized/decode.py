@@ -48,14 +48,14 @@ def takes_row_path(inputs: torch.Tensor, conv_state: torch.Tensor, conv_weights:
 
 
 def _decode_rows(inputs, state_indices, has_initial_states, token_indices, null_slot):
-    """``(slots, live, reads, rows)``: each request's slot, whether it is not on the null slot, whether it
-    reads a history, and its physical row."""
+    """``(state_indices, live, reads, rows)``: each request's slot (int64), whether it is not on the null slot,
+    whether it reads a history, and its physical row."""
     R = state_indices.numel()
-    slots = state_indices.to(torch.int64)
-    live = slots != null_slot                                                   # [R]
+    state_indices = state_indices.to(torch.int64)
+    live = state_indices != null_slot                                           # [R]
     reads = live if has_initial_states is None else live & (has_initial_states != 0)
     rows = torch.arange(R, device=inputs.device) if token_indices is None else token_indices.to(torch.int64)
-    return slots, live, reads, rows
+    return state_indices, live, reads, rows
 
 
 def _residual_(residual, rows, live, y, outer_residual) -> None:
@@ -79,9 +79,10 @@ def decode_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.
     S = (K - 1) * dilation
     R, C = state_indices.numel(), inputs.shape[1]
     dev, dt = inputs.device, inputs.dtype
-    slots, live, reads, rows = _decode_rows(inputs, state_indices, has_initial_states, token_indices, null_slot)
+    state_indices, live, reads, rows = _decode_rows(inputs, state_indices, has_initial_states, token_indices,
+                                                    null_slot)
     b = torch.arange(S + 1, device=dev)
-    first = slots * W                                                           # column 0's row (null: its own)
+    first = state_indices * W                                                   # column 0's row (null: its own)
     # Block b: column b (x's block: column S-1, overwritten); on the null slot column b - 1 (block 0: any).
     read = (b[:, None] - (~live).to(torch.int64)).clamp(0, S - 1)               # [S+1, R]
     table = state.index_select(0, (first + read).flatten())                    # [(S+1)*R, C]

@@ -17,6 +17,9 @@ __all__ = ["embedding_lookup", "ngram_embedding"]
 
 @twin(_reference.embedding_lookup)
 def embedding_lookup(weight: torch.Tensor, ids: torch.Tensor, *, validate: bool = True) -> torch.Tensor:
+    """One path: one ``F.embedding`` gather of the ids (as int64), reshaped to ``[T, NH * D]``; its autograd
+    is ``F.embedding``'s, a dense ``[rows, D]`` gradient for ``weight``. The checks read the ids on the host
+    once (``validate=True``); with ``validate=False`` nothing is read back. Any device and dtype."""
     (_checks.lookup_call if validate else _checks.lookup_meta)(weight, ids)
     return _embedding_lookup(weight, ids)
 
@@ -31,6 +34,10 @@ def _embedding_lookup(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def ngram_embedding(weight: torch.Tensor, input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: int,
                     eos_token_id: int, query_start_loc: torch.Tensor | None = None,
                     ngram_context: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
+    """Not fused: the call is checked once (the table's row count included), then the bodies of this
+    backend's ``ngram_ids`` and ``embedding_lookup`` run unchecked, so the int64 ids ``[T, NH]`` are made
+    in memory and then gathered with ``F.embedding`` (autograd: its dense gradient). As in those ops, with
+    ``validate=False`` nothing is read back to the host."""
     # Checked once, the table's row count included (weight=), then the two ops' bodies run unchecked.
     (_checks.ngram_call if validate else _checks.ngram_meta)(input_ids, params, heads_per_ngram, eos_token_id,
                                                              query_start_loc, ngram_context, weight=weight)

@@ -29,12 +29,12 @@ import torch
 
 from .. import _checks
 from .. import reference as _reference
-from .._deprecation import MARKER, Deprecation, warn_deprecated
+from .._deprecation import MARKER, Deprecation, deprecated_function, deprecated_parameter, warn_deprecated
 from ..backends import twin
 from ..reference.gate import GATE_CLAMP, acc_dtype
 
-__all__ = ["ple_gate", "gate", "takes_blocked_path", "grouped_rms_norm", "stream_scores", "records_grad", "BLOCK_ROWS",
-           "BlockGate", "block_rows"]
+__all__ = ["ple_gate", "gate", "takes_block_gate_path", "stream_scores", "records_grad", "BLOCK_ROWS", "BlockGate",
+           "takes_blocked_path", "grouped_rms_norm", "block_rows"]
 
 BLOCK_ROWS = 64
 """Rows per block of the blocked CPU paths (`BlockGate`, ``prefill``'s blocked forward).
@@ -53,9 +53,9 @@ def records_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float, *,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """``ple.reference.grouped_rms_norm`` of a ``[T, C]`` ``x``, bit for bit (see the module docstring).
+def _grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float, *,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """``ple.reference.grouped_rms_norm`` of a ``[T, C]`` ``x``, unchecked, bit for bit (see the module docstring).
 
     ``out`` (``[T, C]``, ``x``'s dtype; not with autograd), if given, receives the result and is returned.
     """
@@ -74,8 +74,8 @@ def stream_scores(key: torch.Tensor, hidden_states: torch.Tensor, norm_key_weigh
     H = group_size
     dt = key.dtype
     T, C = key.shape
-    kn = grouped_rms_norm(key, norm_key_weight, H, eps).view(T, C // H, H)
-    qn = grouped_rms_norm(hidden_states, norm_query_weight, H, eps).view(T, C // H, H)
+    kn = _grouped_rms_norm(key, norm_key_weight, H, eps).view(T, C // H, H)
+    qn = _grouped_rms_norm(hidden_states, norm_query_weight, H, eps).view(T, C // H, H)
     prod = kn * qn                                                  # rounded to the model dtype, as the model
     s = prod.to(acc_dtype(dt)).sum(-1).to(dt)                       # sum in float32 (= sum(dtype=float32))
     s = s / math.sqrt(H)
@@ -87,17 +87,25 @@ def stream_scores(key: torch.Tensor, hidden_states: torch.Tensor, norm_key_weigh
 def ple_gate(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor,
              norm_key_weight: torch.Tensor, norm_query_weight: torch.Tensor,
              norm_conv_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two paths with the reference's ops, in its order and with its rounding points: ``gate.BlockGate`` on
+    the CPU, eagerly, with nothing recording autograd and more rows than ``gate.BLOCK_ROWS`` (the rows in
+    blocks, every temporary a buffer reused from block to block), else ``gate._gate_whole_batch`` (each
+    op once over all rows: autograd, ``torch.compile``, any device). The norms widen ``x`` and ``1 + w``
+    (the weights in any float dtype) to the accumulation dtype and use no ``pow`` and no mixed-dtype op.
+    The gate has no value checks, so it never reads a tensor value on the host."""
     H = _checks.gate_call(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight,
                           eps).group_size
     return gate(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps, H)
 
 
-def _gate_whole_batch(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps, H):
+def _gate_whole_batch(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
+                      hidden_size):
     """The general gate: each op once over all rows (autograd records, ``torch.compile`` traces, any device)."""
+    H = hidden_size
     T, C = key.shape
     g = stream_scores(key, hidden_states, norm_key_weight, norm_query_weight, H, eps)[1]
     gated = (g[:, :, None] * value[:, None, :]).view(T, C)
-    return gated, grouped_rms_norm(gated, norm_conv_weight, H, eps)
+    return gated, _grouped_rms_norm(gated, norm_conv_weight, H, eps)
 
 
 class BlockGate:
@@ -111,10 +119,12 @@ class BlockGate:
     (`score_sums`) and the one that uses the gates (`gate_rows`), instead of once per block.
     """
 
+    @deprecated_parameter("H", "hidden_size", since="0.1.0")
     def __init__(self, n: int, like: torch.Tensor, norm_key_weight: torch.Tensor,
-                 norm_query_weight: torch.Tensor, norm_conv_weight: torch.Tensor, eps: float, H: int) -> None:
+                 norm_query_weight: torch.Tensor, norm_conv_weight: torch.Tensor, eps: float,
+                 hidden_size: int) -> None:
         C = like.shape[1]
-        self.dt, self.acc, self.H, self.eps = like.dtype, acc_dtype(like.dtype), H, eps
+        self.dt, self.acc, self.H, self.eps = like.dtype, acc_dtype(like.dtype), hidden_size, eps
         acc = self.acc
         wide = acc != self.dt
         self.x = like.new_empty(n, C, dtype=acc) if wide else None     # an input, widened
@@ -125,7 +135,7 @@ class BlockGate:
         self.scales = [1.0 + w.to(acc) for w in (norm_key_weight, norm_query_weight, norm_conv_weight)]
 
     def _norm(self, x: torch.Tensor, sq: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``grouped_rms_norm``'s ops on ``x`` (``[m, C]``, the acc dtype) with ``sq`` as scratch; into ``out``."""
+        """`_grouped_rms_norm`'s ops on ``x`` (``[m, C]``, the acc dtype) with ``sq`` as scratch; into ``out``."""
         H = self.H
         g = x.unflatten(-1, (-1, H))
         sqg = torch.mul(g, g, out=sq.unflatten(-1, (-1, H)))
@@ -160,21 +170,23 @@ class BlockGate:
         self._norm(self._widen(gated), sq, self.scales[2], conv_input)
 
 
-def takes_blocked_path(key: torch.Tensor, *tensors: torch.Tensor) -> bool:
+def takes_block_gate_path(key: torch.Tensor, *tensors: torch.Tensor) -> bool:
     """Whether `gate` runs a `BlockGate`: on the CPU, eagerly, nothing recording autograd, and more rows than one
     block (`BLOCK_ROWS`) holds (up to one block the whole-batch ops are as fast; see the module docstring)."""
     return (key.shape[0] > BLOCK_ROWS and key.device.type == "cpu" and not torch.compiler.is_compiling()
             and not records_grad(key, *tensors))
 
 
+@deprecated_parameter("H", "hidden_size", since="0.1.0")
 def gate(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor, norm_key_weight: torch.Tensor,
          norm_query_weight: torch.Tensor, norm_conv_weight: torch.Tensor, eps: float,
-         H: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`ple_gate` after its checks: ``(gated, conv_input)``; through a `BlockGate` where `takes_blocked_path`, else
-    `_gate_whole_batch`."""
+         hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`ple_gate` after its checks: ``(gated, conv_input)``; through a `BlockGate` where `takes_block_gate_path`,
+    else `_gate_whole_batch`."""
+    H = hidden_size
     T, C = key.shape
     args = (norm_key_weight, norm_query_weight, norm_conv_weight, eps, H)
-    if not takes_blocked_path(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight):
+    if not takes_block_gate_path(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight):
         return _gate_whole_batch(key, value, hidden_states, *args)
     n = BLOCK_ROWS
     gated, conv_input = key.new_empty(T, C), key.new_empty(T, C)
@@ -197,3 +209,20 @@ def block_rows(T: int, C: int) -> int:
 
 
 setattr(block_rows, MARKER, (Deprecation("function", "block_rows", "BLOCK_ROWS", "0.1.0"),))
+
+
+takes_blocked_path = deprecated_function(takes_block_gate_path, "takes_blocked_path", since="0.1.0")
+"""Deprecated since 0.1.0 (``ple.vectorized.prefill.takes_blocked_path`` was another function):
+`takes_block_gate_path`."""
+
+
+def grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float, *,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """Deprecated since 0.1.0 (it shared its name with the checked op ``ple.vectorized.grouped_rms_norm``);
+    kept for one release: the internal `_grouped_rms_norm`, unchecked, ``[T, C]`` only."""
+    warn_deprecated("ple.vectorized.gate.grouped_rms_norm", "ple.vectorized.grouped_rms_norm", "0.1.0")
+    return _grouped_rms_norm(x, weight, group_size, eps, out=out)
+
+
+setattr(grouped_rms_norm, MARKER,
+        (Deprecation("function", "grouped_rms_norm", "ple.vectorized.grouped_rms_norm", "0.1.0"),))

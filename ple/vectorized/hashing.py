@@ -19,14 +19,15 @@ from ..reference.hashing import HashParams
 __all__ = ["ngram_ids"]
 
 
-def _windows(ids: torch.Tensor, ctx: torch.Tensor, N: int, eos_token_id: int,
-             query_start_loc: torch.Tensor | None) -> torch.Tensor:
+def _batch_windows(ids: torch.Tensor, ctx: torch.Tensor, ngram_size: int, eos_token_id: int,
+                   query_start_loc: torch.Tensor | None) -> torch.Tensor:
     """``window[t, k]``: the token k positions before token t (context included), EOS rule applied; ``[T, N]``.
 
     One gather from ``cat(ctx.flatten(), ids)``: entry k of token t is ``ids[t - k]`` when the token is
     at least k into its request, else the request's context entry ``N - 1 + pos - k``. The EOS rule
     (past a step that reached an EOS, every older entry is EOS) is a running maximum over k.
     """
+    N = ngram_size
     dev = ids.device
     T = ids.numel()
     R = ctx.shape[0]
@@ -53,6 +54,13 @@ def _windows(ids: torch.Tensor, ctx: torch.Tensor, N: int, eos_token_id: int,
 def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: int, eos_token_id: int,
               query_start_loc: torch.Tensor | None = None,
               ngram_context: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
+    """One path, all tokens at once on the device: each token finds its request with ``torch.searchsorted``
+    on ``query_start_loc``, its whole window is one gather from the contexts and the tokens
+    (``_batch_windows``), the EOS rule a running maximum over the window, every head one floor remainder
+    (about 20 ops whatever T and N are). Token ids and contexts of either int dtype are widened to int64.
+    The checks read the token ids and offsets on the host once (``validate=True``); after them no tensor
+    becomes a Python value, so with ``validate=False`` a call makes no device-to-host synchronisation and
+    traces under ``torch.compile(fullgraph=True)``. Any device."""
     check = _checks.ngram_call if validate else _checks.ngram_meta
     check(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
     return _ngram_ids(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
@@ -70,7 +78,7 @@ def _ngram_ids(input_ids: torch.Tensor, params: HashParams, heads_per_ngram: int
     else:
         ctx = ngram_context.to(torch.int64)
 
-    window = _windows(ids, ctx, N, eos_token_id, query_start_loc)             # [T, N]
+    window = _batch_windows(ids, ctx, N, eos_token_id, query_start_loc)       # [T, N]
 
     m = params.multipliers.to(dev)
     sizes, offsets = params.head_sizes.to(dev), params.head_offsets.to(dev)

@@ -22,13 +22,14 @@ import torch
 
 from .. import _checks
 from .. import reference as _reference
+from .._deprecation import deprecated_function
 from ..backends import twin
 from ..reference.gate import acc_dtype
 from .conv import _ple_conv
 from .gate import BLOCK_ROWS, BlockGate, gate, records_grad
 from .training_conv import _conv, conv_activation
 
-__all__ = ["ple_prefill", "takes_blocked_path"]
+__all__ = ["ple_prefill", "takes_blocked_forward_path", "takes_blocked_path"]
 
 
 @twin(_reference.ple_prefill)
@@ -39,6 +40,15 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
                 state_indices: torch.Tensor | None = None, has_initial_states: torch.Tensor | None = None,
                 token_indices: torch.Tensor | None = None, null_slot: int = 0,
                 validate: bool = True) -> torch.Tensor:
+    """This backend's ops composed, the call checked once (``prefill_meta``, then ``prefill_values`` unless
+    ``validate=False``) and their bodies run unchecked: ``gate.gate``, the ``keep`` mask, then without a
+    conv state the training conv's body and the two adds, with one ``conv._ple_conv(mode="prefill")`` (its
+    general path, never the decode one) adding ``y`` and ``hidden_states`` into the gate's output and
+    writing the states. On the CPU, eagerly, without a conv state and with nothing recording autograd it
+    runs ``prefill._forward_blocked`` instead: the same ops and rounding points in blocks of scratch
+    buffers, reading the (CPU) ``query_start_loc`` on the host. Where autograd records, every step is out
+    of place (``keep`` multiplied, ``gated`` cloned before a state's conv writes into it); else the mask
+    is applied in place. ``ple/vectorized/__init__.py`` lists the five combinations."""
     _checks.prefill_meta(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
                  conv_weights, dilation=dilation, query_start_loc=query_start_loc, keep=keep,
                  conv_state=conv_state, state_indices=state_indices, has_initial_states=has_initial_states,
@@ -50,7 +60,7 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
     H = value.shape[1]
     norms = (norm_key_weight, norm_query_weight, norm_conv_weight)
     grad = records_grad(key, value, hidden_states, *norms, conv_weights)
-    if takes_blocked_path(key, conv_state, grad):
+    if takes_blocked_forward_path(key, conv_state, grad):
         return _forward_blocked(key, value, hidden_states, *norms, eps, H, conv_weights, dilation,
                                 query_start_loc, keep)
     gated, conv_input = gate(key, value, hidden_states, *norms, eps, H)
@@ -75,14 +85,19 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
     return out
 
 
-def takes_blocked_path(key: torch.Tensor, conv_state: torch.Tensor | None, grad: bool) -> bool:
+def takes_blocked_forward_path(key: torch.Tensor, conv_state: torch.Tensor | None, grad: bool) -> bool:
     """Whether `ple_prefill` runs `_forward_blocked`: no conv state, nothing recording autograd (``grad``), on the
     CPU, eagerly."""
     return conv_state is None and not grad and key.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
-def _forward_blocked(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps, H,
-                     conv_weights, dilation, query_start_loc, keep):
+takes_blocked_path = deprecated_function(takes_blocked_forward_path, "takes_blocked_path", since="0.1.0")
+"""Deprecated since 0.1.0 (``ple.vectorized.gate.takes_blocked_path`` was another function):
+`takes_blocked_forward_path`."""
+
+
+def _forward_blocked(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
+                     hidden_size, conv_weights, dilation, query_start_loc, keep):
     """``(gated + y) + hidden_states`` of whole requests from zero history, without autograd, in blocks.
 
     Only the output is a ``[T, C]`` buffer: each block's gated values and conv inputs live in scratch
@@ -94,6 +109,7 @@ def _forward_blocked(key, value, hidden_states, norm_key_weight, norm_query_weig
     zeros before the last start, which is what the rows after it must read).
     """
     T, C = key.shape
+    H = hidden_size
     dt = key.dtype
     acc = acc_dtype(dt)
     K = conv_weights.shape[1]
@@ -147,12 +163,12 @@ def _forward_blocked(key, value, hidden_states, norm_key_weight, norm_query_weig
     return out
 
 
-def _sequence_starts_by_block(query_start_loc: torch.Tensor, T: int, n: int) -> dict[int, list[int]]:
+def _sequence_starts_by_block(query_start_loc: torch.Tensor, num_tokens: int, n: int) -> dict[int, list[int]]:
     """The starts of the packed sequences after the first inside each block of ``n`` rows, as offsets in the
     block: ``{block start: [offsets, ascending]}`` (read on the host: `_forward_blocked` runs on the CPU)."""
     out: dict[int, list[int]] = {}
     for start in query_start_loc.tolist()[1:-1]:
-        if 0 < start < T:
+        if 0 < start < num_tokens:
             a = start // n * n
             offsets = out.setdefault(a, [])
             if not offsets or offsets[-1] != start - a:

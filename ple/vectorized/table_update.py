@@ -39,7 +39,10 @@ def table_update(weight: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor, st
     position of a run then computes its row's update from the same inputs, so the scatter
     (``index_copy_``) writes equal values for a repeated row: no host read of the number of distinct
     rows, and every temporary is ``[M, D]`` or ``[M]``, never the table's size. Gathers are
-    ``index_select`` and the formulas run in place on the gathered copies (the same roundings)."""
+    ``index_select`` and the formulas run in place on the gathered copies (the same roundings).
+
+    Most float32 ``[M, D]`` temporaries are buffers kept between eager calls (grown, never shrunk: the
+    largest step's stay until the process ends); under ``torch.compile`` they are fresh ``torch.empty``."""
     (_checks.table_update_call if validate else _checks.table_update_meta)(weight, ids, grad, state, rule, lr,
                                                                             weight_decay, eps, betas, step)
     M, D = grad.shape

@@ -44,24 +44,25 @@ from ..reference.gate import acc_dtype
 __all__ = ["dilated_causal_conv", "takes_slice_path", "tap_sum", "conv_activation", "multiply_add_"]
 
 
-def _lags(K: int, dilation: int) -> list[int]:
-    """Tap j reads the input ``lag_j = (K-1-j) * dilation`` rows back."""
+def _lags(kernel_size: int, dilation: int) -> list[int]:
+    """Tap j reads the input ``lag_j = (K-1-j) * dilation`` rows back (K = ``kernel_size``)."""
+    K = kernel_size
     return [(K - 1 - j) * dilation for j in range(K)]
 
 
-def _sequence_heads(cu_seqlens: torch.Tensor, S: int, T: int):
-    """The first S rows of every sequence but the first: ``(rows [R-1, S], inside [R-1, S])``, ``inside`` false
-    for candidates past the sequence's end (their rows are another sequence's)."""
-    p = torch.arange(S, device=cu_seqlens.device)
+def _sequence_heads(cu_seqlens: torch.Tensor, span: int):
+    """The first ``span`` rows of every sequence but the first: ``(rows [R-1, span], inside [R-1, span])``,
+    ``inside`` false for candidates past the sequence's end (their rows are another sequence's)."""
+    p = torch.arange(span, device=cu_seqlens.device)
     rows = cu_seqlens[1:-1, None] + p
     return rows, rows < cu_seqlens[2:, None]
 
 
-def _sequence_tails(cu_seqlens: torch.Tensor, S: int):
-    """The last S rows of every sequence but the last: ``(rows [R-1, S], inside [R-1, S])``, ``inside`` false
-    for candidates before the sequence's start."""
-    p = torch.arange(S, device=cu_seqlens.device)
-    rows = cu_seqlens[1:-1, None] - S + p
+def _sequence_tails(cu_seqlens: torch.Tensor, span: int):
+    """The last ``span`` rows of every sequence but the last: ``(rows [R-1, span], inside [R-1, span])``,
+    ``inside`` false for candidates before the sequence's start."""
+    p = torch.arange(span, device=cu_seqlens.device)
+    rows = cu_seqlens[1:-1, None] - span + p
     return rows, rows >= cu_seqlens[:-2, None]
 
 
@@ -90,7 +91,7 @@ def tap_sum(xf: torch.Tensor, wt: torch.Tensor, dilation: int, cu_seqlens: torch
     if not fix:
         return out
     assert cu_seqlens is not None
-    rows, inside = _sequence_heads(cu_seqlens, lags[0], T)
+    rows, inside = _sequence_heads(cu_seqlens, lags[0])
     p = torch.arange(lags[0], device=xf.device)
     acc = xf.new_zeros(rows.numel(), xf.shape[1])
     for j, lag in enumerate(lags):                                     # the reference's masked terms
@@ -129,9 +130,10 @@ def _tap_sum_transposed(g: torch.Tensor, wt: torch.Tensor, dilation: int,
 
 
 def _tap_weight_grad(g: torch.Tensor, xf: torch.Tensor, dilation: int, cu_seqlens: torch.Tensor | None,
-                     K: int) -> torch.Tensor:
+                     kernel_size: int) -> torch.Tensor:
     """The gradient of `tap_sum` with respect to ``wt``: ``gw[j] = sum_t g[t] * xf[t - lag_j]`` over the
     terms inside ``t``'s sequence, ``[K, C]``."""
+    K = kernel_size
     T, C = xf.shape[-2], xf.shape[-1]
     lags = _lags(K, dilation)
     gw = xf.new_zeros(K, C)
@@ -146,7 +148,7 @@ def _tap_weight_grad(g: torch.Tensor, xf: torch.Tensor, dilation: int, cu_seqlen
         assert cu_seqlens is not None
         prod = xf.new_empty(T - lag + 1, C)                           # + a scratch row
         torch.mul(g[lag:], xf[:T - lag], out=prod[:T - lag])
-        rows, inside = _sequence_heads(cu_seqlens, lag, T)                     # rows t < start + lag: no term
+        rows, inside = _sequence_heads(cu_seqlens, lag)                        # rows t < start + lag: no term
         prod.index_fill_(0, torch.where(inside & (rows >= lag), rows - lag, T - lag).flatten(), 0)
         prod[T - lag].zero_()
         gw[j] = prod.sum(0)
@@ -181,6 +183,14 @@ def conv_activation(out: torch.Tensor, dtype: torch.dtype, inplace: bool) -> tor
 @twin(_reference.dilated_causal_conv)
 def dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: int,
                         cu_seqlens: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
+    """Eagerly (``training_conv.takes_slice_path``) the tap sum is ``training_conv._TapSum``: each tap one
+    multiply-add of a shifted slice of the whole input, the rows near every later sequence's start
+    recomputed as the reference's masked gather, with a backward of the same slice arithmetic; under
+    ``torch.compile`` it is ``_conv_gathered``, a masked gather per tap in plain autograd ops, which inductor
+    fuses with what made ``x``. Both add the taps as the reference does (each product rounded, in tap
+    order, in the accumulation dtype); gradients are within the tolerance (``_TapSum``'s input gradient
+    fuses its multiply-adds). The checks read ``cu_seqlens`` on the host once (``validate=True``); after
+    them nothing is read back, forward or backward."""
     check = _checks.dilated_causal_conv_call if validate else _checks.dilated_causal_conv_meta
     check(x, weight, dilation, cu_seqlens)
     return _conv(x, weight, dilation, cu_seqlens)

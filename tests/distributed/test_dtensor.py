@@ -20,7 +20,7 @@ import copy
 
 import pytest
 import torch
-from _helpers import nonzero_layers, packed_reference
+from _helpers import nonzero_layers, own_requests_served, packed_reference
 
 import ple
 from ple.distributed import (
@@ -224,40 +224,13 @@ def check_serving_own_requests_only(rank, W, ckpt):
     DTensor; an idle rank joins the lookup. Outputs and cache states equal the whole-table layer's, bit for bit."""
     from torch.distributed.tensor import Shard
 
-    from ple.distributed import join_table_lookup
-    from ple.state import Decode, PLECache, Prefill, Spec
-
     full = make_layer()
     mesh = mesh_of(W)
-    # rank r's script: a list of steps, each a list of (kind, request, tokens); the last rank idles in step 1.
-    script = [[("prefill", 0, [5 + rank, 6, 7, 8, 9][: 2 + rank % 3]), ("prefill", 1, [9, 2, 11 + rank])],
-              [] if rank == W - 1 else [("decode", 0, 12), ("spec", 1, [13, 14])],
-              [("decode", 0, 15 + rank)]]
     for placement in PLACEMENTS:
         layer = parallelize_tables(copy.deepcopy(full), mesh, placement, input_layouts=Shard(0))
-        caches = [PLECache(CONFIG, num_slots=4, num_spec_tokens=2, num_layers=1, dtype=torch.float64)
-                  for _ in range(2)]                                      # [sharded layer, whole layer]
-        slots = [[c.allocate(), c.allocate()] for c in caches]
-        g = torch.Generator().manual_seed(40 + rank)
-        with torch.no_grad():
-            for k, step in enumerate(script):
-                if not step:
-                    join_table_lookup(layer)
-                    continue
-                outs = []
-                h = None
-                for c, s, m in zip(caches, slots, (layer, full), strict=True):
-                    items = [Prefill(s[r], t) if kind == "prefill" else Decode(s[r], t) if kind == "decode"
-                             else Spec(s[r], t) for kind, r, t in step]
-                    b = c.schedule(items)
-                    if h is None:
-                        h = torch.randn(b.num_tokens, CONFIG.hc_hidden_size, generator=g, dtype=torch.float64)
-                    outs.append(m.step(h, b, c))
-                expect(torch.equal(outs[0], outs[1]), f"{placement}: step {k} output not bit for bit")
-                for c, s in zip(caches, slots, strict=True):
-                    if any(kind == "spec" for kind, _, _ in step):
-                        c.accept(s[1], 1)
-            expect(torch.equal(caches[0].conv_state(0), caches[1].conv_state(0)), f"{placement}: cache states")
+        for k, got, want in own_requests_served(layer, full, rank, W, torch.float64):
+            expect(torch.equal(got, want), f"{placement}: cache states" if k is None
+                   else f"{placement}: step {k} output not bit for bit")
 
 
 def check_checkpoint_pieces(rank, W, ckpt):

@@ -29,10 +29,10 @@ import copy
 
 import pytest
 import torch
+from _helpers import SpawnedChecks, own_requests_served
 
 import ple
-from ple.distributed import shard_range, shard_table_, spawn
-from ple.testing import spawned
+from ple.distributed import shard_range, shard_table_
 from ple.testing.layers import random_layer
 from ple.testing.spawned import expect, same_bits
 
@@ -163,37 +163,12 @@ def check_idle_rank_joins(rank, W, ckpt):
     """Each rank serves its own requests from its own cache; the last rank idles in step 1 and joins the lookup."""
     from torch.distributed.tensor import Shard
 
-    from ple.distributed import join_table_lookup, parallelize_tables
-    from ple.state import Decode, PLECache, Prefill, Spec
+    from ple.distributed import parallelize_tables
 
     full = nf4_layer(torch.float32)
     layer = parallelize_tables(copy.deepcopy(full), mesh_of(W), "row", input_layouts=Shard(0))
-    script = [[("prefill", 0, [5 + rank, 6, 7, 8, 9][: 2 + rank % 3]), ("prefill", 1, [9, 2, 11 + rank])],
-              [] if rank == W - 1 else [("decode", 0, 12), ("spec", 1, [13, 14])],
-              [("decode", 0, 15 + rank)]]
-    caches = [PLECache(CONFIG, num_slots=4, num_spec_tokens=2, num_layers=1, dtype=torch.float32)
-              for _ in range(2)]                                          # [sharded layer, whole layer]
-    slots = [[c.allocate(), c.allocate()] for c in caches]
-    g = torch.Generator().manual_seed(40 + rank)
-    with torch.no_grad():
-        for k, step in enumerate(script):
-            if not step:
-                join_table_lookup(layer)
-                continue
-            outs = []
-            h = None
-            for c, s, m in zip(caches, slots, (layer, full), strict=True):
-                items = [Prefill(s[r], t) if kind == "prefill" else Decode(s[r], t) if kind == "decode"
-                         else Spec(s[r], t) for kind, r, t in step]
-                b = c.schedule(items)
-                if h is None:
-                    h = torch.randn(b.num_tokens, CONFIG.hc_hidden_size, generator=g)
-                outs.append(m.step(h, b, c))
-            same_bits(outs[0], outs[1], f"step {k}: output")
-            for c, s in zip(caches, slots, strict=True):
-                if any(kind == "spec" for kind, _, _ in step):
-                    c.accept(s[1], 1)
-        same_bits(caches[0].conv_state(0), caches[1].conv_state(0), "cache states")
+    for k, got, want in own_requests_served(layer, full, rank, W, torch.float32):
+        same_bits(got, want, "cache states" if k is None else f"step {k}: output")
 
 
 def check_checkpoints(rank, W, ckpt):
@@ -259,12 +234,8 @@ def check_checkpoints(rank, W, ckpt):
         expect(layer.table is before, f"{kind}: a refused checkpoint leaves the layer's table")
 
 
-CHECKS = {f.__name__.removeprefix("check_"): f for f in (
-    check_rows_bit_for_bit, check_layers, check_idle_rank_joins, check_checkpoints)}
-
-
-def run_checks(rank, world_size, names, ckpt):
-    return spawned.run_checks(CHECKS, names, rank, world_size, ckpt)
+CHECKS = SpawnedChecks(check_rows_bit_for_bit, check_layers, check_idle_rank_joins, check_checkpoints,
+                       timeout=300.0, pg_timeout=60.0)
 
 
 # ---- the parent side -------------------------------------------------------------------------------------
@@ -280,19 +251,6 @@ def checkpoint_dir(tmp_path_factory):
     return str(path)
 
 
-_RESULTS: dict[int, dict] = {}
-
-
-def _failures(world_size, checkpoint_dir, name):
-    if world_size not in _RESULTS:
-        per_rank = spawn(run_checks, world_size, list(CHECKS), checkpoint_dir, timeout=300.0, pg_timeout=60.0)
-        _RESULTS[world_size] = {n: [(r, res[n]) for r, res in enumerate(per_rank) if res[n] is not None]
-                                for n in CHECKS}
-    failures = _RESULTS[world_size][name]
-    if failures:
-        pytest.fail("\n".join(f"rank {r}:\n{tb}" for r, tb in failures), pytrace=False)
-
-
 # One gloo run in the quick tier (W = 2: the last rank with no rows in the smallest table, and no tokens); W = 3
 # (shards of unequal sizes) in the deep tier.
 WORLD_SIZES = [2, pytest.param(3, marks=pytest.mark.deep)]
@@ -301,7 +259,7 @@ WORLD_SIZES = [2, pytest.param(3, marks=pytest.mark.deep)]
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_nf4_sharded(checkpoint_dir, world_size, name):
-    _failures(world_size, checkpoint_dir, name)
+    CHECKS.report(world_size, name, checkpoint_dir)
 
 
 def test_column_sharding_refused_before_the_mesh():

@@ -22,11 +22,11 @@ import copy
 
 import pytest
 import torch
-from _helpers import nonzero_layers
+from _helpers import SpawnedChecks, nonzero_layers
 
 import ple
 from ple import reference
-from ple.distributed import local_token_rows, parallelize_tables, shard_range, spawn
+from ple.distributed import local_token_rows, parallelize_tables, shard_range
 from ple.testing import spawned
 from ple.testing.spawned import expect, same_bits
 
@@ -220,12 +220,8 @@ def check_quantized_checkpoints(rank, W, ckpt):
                 same_bits(layer(hidden, ids), want, f"{kind} {placement}: output")
 
 
-CHECKS = {f.__name__.removeprefix("check_"): f for f in (
-    check_shard_boundary_rows, check_one_split_rule, check_quantized_layers, check_quantized_checkpoints)}
-
-
-def run_checks(rank, world_size, names, ckpt):
-    return spawned.run_checks(CHECKS, names, rank, world_size, ckpt)
+CHECKS = SpawnedChecks(check_shard_boundary_rows, check_one_split_rule, check_quantized_layers,
+                       check_quantized_checkpoints, timeout=300.0, pg_timeout=60.0)
 
 
 # ---- the parent side -------------------------------------------------------------------------------------
@@ -242,19 +238,6 @@ def checkpoint_dir(tmp_path_factory):
     return str(path)
 
 
-_RESULTS: dict[int, dict] = {}
-
-
-def _failures(world_size, checkpoint_dir, name):
-    if world_size not in _RESULTS:
-        per_rank = spawn(run_checks, world_size, list(CHECKS), checkpoint_dir, timeout=300.0, pg_timeout=60.0)
-        _RESULTS[world_size] = {n: [(r, res[n]) for r, res in enumerate(per_rank) if res[n] is not None]
-                                for n in CHECKS}
-    failures = _RESULTS[world_size][name]
-    if failures:
-        pytest.fail("\n".join(f"rank {r}:\n{tb}" for r, tb in failures), pytrace=False)
-
-
 # One gloo run in the quick tier (W = 3: shards of unequal sizes, where a balanced split would differ from
 # the checkpoint's chunk rule); W = 2 and 4 (a rank with no rows) in the deep tier.
 WORLD_SIZES = [pytest.param(2, marks=pytest.mark.deep), 3, pytest.param(4, marks=pytest.mark.deep)]
@@ -262,13 +245,13 @@ WORLD_SIZES = [pytest.param(2, marks=pytest.mark.deep), 3, pytest.param(4, marks
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_shard_boundary_rows_bit_for_bit(checkpoint_dir, world_size):
-    _failures(world_size, checkpoint_dir, "shard_boundary_rows")
+    CHECKS.report(world_size, "shard_boundary_rows", checkpoint_dir)
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("name", [n for n in CHECKS if n != "shard_boundary_rows"])
 def test_sharded_table(checkpoint_dir, world_size, name):
-    _failures(world_size, checkpoint_dir, name)
+    CHECKS.report(world_size, name, checkpoint_dir)
 
 
 def test_boundary_ids_hit_every_shard_edge():

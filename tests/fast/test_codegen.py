@@ -1,5 +1,5 @@
 """The compiled-kernel report (``benchmarks/codegen.py --check``) at the model's widths: every kernel the public
-fast ops launch compiles for sm_90 and meets issue 13's goals (no spills, >= 90 % of global bytes in 128-bit
+fast ops launch compiles for sm_90 and meets the report's goals (no spills, >= 90 % of global bytes in 128-bit
 instructions, >= 2 CTAs per SM), except the shortfalls ``WAIVERS`` lists with their reason, each still real."""
 
 from __future__ import annotations

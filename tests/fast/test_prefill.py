@@ -23,16 +23,7 @@ from hypothesis import strategies as st
 from ple.fast.prefill import ple_prefill as fast_prefill
 from ple.fast.prefill import rows_per_program
 from ple.reference.prefill import ple_prefill as ref_prefill
-from ple.testing.kit.cases import (
-    NAN,
-    assign_slots,
-    clone_state,
-    index_tensor,
-    randn,
-    request_rows,
-    rows_view,
-    state_view,
-)
+from ple.testing.kit.cases import NAN, clone_state, index_tensor, randn, request_rows, rows_view, serving_state
 from ple.testing.kit.prefill import prefill_state_masks
 from ple.testing.numerics import assert_bitwise_equal, assert_close, assert_no_nan
 
@@ -111,10 +102,7 @@ def _build(case):
     if not case["serving"]:
         return t
     W = S + case["extra_w"]
-    num_slots, null_slot, state_indices_list = assign_slots(R, case["extra_slots"], case["null_at_end"],
-                                                            case["null_requests"], g)
-    sdt = dt if case["state_dtype"] == "same" else torch.float32
-    state, buf = state_view(num_slots, C, W, case["layout"], sdt, g)
+    num_slots, null_slot, state_indices_list, state, buf = serving_state(case, R, C, W, dt, g)
     has_init = [False] * R
     if case["init"] is not None:
         has_init = list(case["init_values"])

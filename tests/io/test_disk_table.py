@@ -16,12 +16,11 @@ import shutil
 import subprocess
 import sys
 import textwrap
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from _helpers import assert_same_serving
+from _helpers import assert_cuda_lookups, assert_prefetched_forward, assert_same_serving, with_prefetch
 
 import ple.io as pio
 from ple import PLEConfig
@@ -65,21 +64,6 @@ def inputs(seed: int, B: int = 2, L: int = 9):
     return h, torch.randint(0, TINY.vocab_size, (B, L), generator=gen)
 
 
-def with_prefetch(layer):
-    """Make ``layer.step`` prefetch its own tokens first, as a serving engine would."""
-    step = layer.step
-
-    def prefetching_step(h, batch, cache):
-        layer.start_prefetch(batch.input_ids, batch.query_start_loc, batch.ngram_context)
-        assert layer.table.pending_prefetch is not None
-        out = step(h, batch, cache)
-        assert layer.table.pending_prefetch is None                        # consumed
-        return out
-
-    layer.step = prefetching_step
-    return layer
-
-
 # ---- bits: the in-memory table's ------------------------------------------------------------------------
 @pytest.mark.parametrize("parts", [0, 3])
 @pytest.mark.parametrize("scheme", [None, "fp8", "int8"])
@@ -99,10 +83,7 @@ def test_forward_equals_in_memory(checkpoints, scheme, parts):
             h, ids = inputs(seed)
             assert_bitwise_equal(disk(h, ids), mem(h, ids), name=f"forward, seed {seed}")
         h, ids = inputs(4)
-        disk.start_prefetch(ids.reshape(-1), torch.arange(3) * ids.shape[1])
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")                                 # a prefetch not used would warn
-            assert_bitwise_equal(disk(h, ids), mem(h, ids), name="prefetched forward")
+        assert_prefetched_forward(disk, mem, h, ids, name="prefetched forward")
     hashed = mem.ops.ngram_ids(ids.reshape(-1), mem.ple_embedding.hash_params(),
                                heads_per_ngram=TINY.heads_per_ngram, eos_token_id=TINY.eos_token_id)
     for dtype in (torch.float32, torch.bfloat16):
@@ -453,17 +434,7 @@ def test_disk_prefetch_on_cuda(checkpoints, scheme, ids_on):
     path = checkpoints[scheme, 3]
     ref = pio.load_layer(path, device=dev)
     layer = pio.load_layer(path, device=dev, offload="disk", cache_bytes=3000)
-    gen = torch.Generator().manual_seed(8)
-    for _ in range(3):
-        tokens = torch.randint(0, TINY.vocab_size, (40,), generator=gen)
-        qsl = torch.tensor([0, 7, 7, 40])
-        ids = ref.ops.ngram_ids(tokens.to(dev), ref.ple_embedding.hash_params(),
-                                heads_per_ngram=TINY.heads_per_ngram, eos_token_id=TINY.eos_token_id,
-                                query_start_loc=qsl.to(dev))
-        expected = ref.embed(ids, torch.bfloat16)
-        layer.start_prefetch(tokens.to(ids_on), qsl.to(ids_on))
-        assert_bitwise_equal(layer.embed(ids, torch.bfloat16), expected, name="prefetched rows")
-        assert_bitwise_equal(layer.embed(ids, torch.bfloat16), expected, name="lookup without prefetch")
+    assert_cuda_lookups(ref, layer, ids_on)
 
 
 # ---- resident memory ---------------------------------------------------------------------------------------------

@@ -88,17 +88,17 @@ def test_save_load_round_trip(tmp_path, parts, merged_kv):
 
 
 @settings(max_examples=8)
-@given(parts=st.integers(1, 9), block_rows=st.integers(1, 3000),
+@given(parts=st.integers(1, 9), rows_per_block=st.integers(1, 3000),
        scheme=st.sampled_from([None, "fp8", "int8"]))
-def test_round_trip_any_sharding_and_block_size(tmp_path_factory, parts, block_rows, scheme):
+def test_round_trip_any_sharding_and_block_size(tmp_path_factory, parts, rows_per_block, scheme):
     """Shard boundaries and read blocks at any offsets, float or quantized tables: the same bits come back."""
     layer = random_layer(seed=parts)
     if scheme:
         layer.ple_embedding.quantize_(scheme)
     path = tmp_path_factory.mktemp("ck") / "layer.safetensors"
-    pio.save(layer, path, parts=parts, block_bytes=block_rows * 4, ple_only=scheme is not None)
-    loaded = pio.load_layer(path, block_bytes=block_rows * 4)
-    note(f"rows per block {block_rows}")
+    pio.save(layer, path, parts=parts, block_bytes=rows_per_block * 4, ple_only=scheme is not None)
+    loaded = pio.load_layer(path, block_bytes=rows_per_block * 4)
+    note(f"rows per block {rows_per_block}")
     assert_same_layer(layer, loaded)
 
 

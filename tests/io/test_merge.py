@@ -1,4 +1,4 @@
-"""``ple.io.merge`` and ``python -m ple merge``: a checkpoint of a base and the rows trained into its overlay (SPEC 12).
+"""``ple.io.merge`` and ``python -m ple merge``: a checkpoint of a base and its trained overlay rows (docs/spec.md 12).
 
 A disk layer trained through an overlay (``load_layer(..., offload="disk", overlay=DIR)``) and merged: the merged
 table holds, bit for bit, what the trained layer's lookups return (and what in-memory training of the same steps

@@ -11,12 +11,11 @@ from __future__ import annotations
 import random
 import re
 import struct
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from _helpers import assert_same_serving
+from _helpers import assert_cuda_lookups, assert_prefetched_forward, assert_same_serving, unpacker_calls, with_prefetch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -94,12 +93,7 @@ def test_host_offload_equals_in_memory(backend, dtype, monkeypatch):
             h, tokens = inputs(seed, dtype)
             assert_bitwise_equal(off(h, tokens), mem(h, tokens), name=f"{backend} forward, seed {seed}")
         h, tokens = inputs(3, dtype)
-        off.start_prefetch(tokens.reshape(-1), torch.arange(3) * tokens.shape[1])
-        assert off.table.pending_prefetch is not None
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")                                 # a prefetch not used would warn
-            assert_bitwise_equal(off(h, tokens), mem(h, tokens), name=f"{backend} prefetched forward")
-        assert off.table.pending_prefetch is None
+        assert_prefetched_forward(off, mem, h, tokens, name=f"{backend} prefetched forward")
 
 
 def test_host_offloaded_serving_with_prefetch_equals_in_memory():
@@ -110,21 +104,6 @@ def test_host_offloaded_serving_with_prefetch_equals_in_memory():
     script = random_script(random.Random(3), vocab_size=TINY.vocab_size, eos_token_id=TINY.eos_token_id,
                            num_requests=5, max_live=3, max_prompt=14, max_chunk=6, max_generate=5, num_spec_tokens=2)
     assert_same_serving((plain, off), script, seed=3)
-
-
-def with_prefetch(layer):
-    """Make ``layer.step`` prefetch its own tokens first, as a serving engine would."""
-    step = layer.step
-
-    def prefetching_step(h, batch, cache):
-        layer.start_prefetch(batch.input_ids, batch.query_start_loc, batch.ngram_context)
-        assert layer.table.pending_prefetch is not None
-        out = step(h, batch, cache)
-        assert layer.table.pending_prefetch is None                        # consumed
-        return out
-
-    layer.step = prefetching_step
-    return layer
 
 
 # ---- checkpoints: host and disk ----------------------------------------------------------------------------------
@@ -181,10 +160,7 @@ def test_disk_equals_in_memory(checkpoints, parts, cache_bytes):
                 h, tokens = inputs(seed)
                 assert_bitwise_equal(disk(h, tokens), mem(h, tokens), name=f"{backend} forward, seed {seed}")
             h, tokens = inputs(4)
-            disk.start_prefetch(tokens.reshape(-1), torch.arange(3) * tokens.shape[1])
-            with warnings.catch_warnings():
-                warnings.simplefilter("error")                             # a prefetch not used would warn
-                assert_bitwise_equal(disk(h, tokens), mem(h, tokens), name=f"{backend} prefetched forward")
+            assert_prefetched_forward(disk, mem, h, tokens, name=f"{backend} prefetched forward")
     # The cache, in packed bytes.
     s = table.stats()
     assert s["hits"] + s["misses"] == s["unique_rows"] and s["bytes_read"] == s["misses"] * W
@@ -212,10 +188,7 @@ def test_host_load_equals_in_memory(checkpoints, parts, offload):
     with torch.no_grad():
         h, tokens = inputs(6)
         assert_bitwise_equal(host(h, tokens), mem(h, tokens), name="forward")
-        host.start_prefetch(tokens.reshape(-1), torch.arange(3) * tokens.shape[1])
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            assert_bitwise_equal(host(h, tokens), mem(h, tokens), name="prefetched forward")
+        assert_prefetched_forward(host, mem, h, tokens, name="prefetched forward")
 
 
 @pytest.mark.parametrize("cache_bytes", [0, 10**5])
@@ -249,20 +222,7 @@ def test_disk_table_from_checkpoint(checkpoints):
 def test_each_backend_unpacks_with_its_own_unpacker(checkpoints, backend, where, monkeypatch):
     """As in memory: the reference backend unpacks gathered rows with ``ple.reference.nf4_dequantize_rows``, the
     torch backend with ``ple.quant``'s vectorised one, wherever the table is."""
-    import ple.quant
-    import ple.reference
-    import ple.table
-
-    calls = []
-
-    def spy(name, fn):
-        def record(*args, **kwargs):
-            calls.append(name)
-            return fn(*args, **kwargs)
-        return record
-
-    monkeypatch.setattr(ple.reference, "nf4_dequantize_rows", spy("reference", ple.reference.nf4_dequantize_rows))
-    monkeypatch.setattr(ple.table, "dequantize_rows", spy("vectorised", ple.quant.dequantize_rows))
+    calls = unpacker_calls(monkeypatch)
     layer = pio.load_layer(checkpoints[0], backend=backend, offload={"memory": False}.get(where, where))
     layer.embed(random_ids(1, T=3), torch.float32)
     assert calls == (["reference"] if backend == "reference" else ["vectorised"])
@@ -320,15 +280,5 @@ def test_nf4_on_the_host_with_the_layer_on_cuda(checkpoints, where, ids_on, monk
     if where == "host":
         assert layer.table.weight.is_pinned() and layer.table.weight.dtype == torch.uint8
     seen = packed_rows_seen(monkeypatch, layer.table)
-    gen = torch.Generator().manual_seed(8)
-    for _ in range(3):
-        tokens = torch.randint(0, TINY.vocab_size, (40,), generator=gen)
-        qsl = torch.tensor([0, 7, 7, 40])
-        ids = ref.ops.ngram_ids(tokens.to(dev), ref.ple_embedding.hash_params(),
-                                heads_per_ngram=TINY.heads_per_ngram, eos_token_id=TINY.eos_token_id,
-                                query_start_loc=qsl.to(dev))
-        expected = ref.embed(ids, torch.bfloat16)
-        layer.start_prefetch(tokens.to(ids_on), qsl.to(ids_on))
-        assert_bitwise_equal(layer.embed(ids, torch.bfloat16), expected, name="prefetched rows")
-        assert_bitwise_equal(layer.embed(ids, torch.bfloat16), expected, name="lookup without prefetch")
+    ids = assert_cuda_lookups(ref, layer, ids_on)
     assert seen and all(r.device == ids.device and r.dtype == torch.uint8 and r.shape[1] == NH * W for r in seen)

@@ -184,13 +184,7 @@ def test_head_sizes_check_value(N, P):
     assert p0.head_sizes.dtype == p0.head_offsets.dtype == torch.int64
 
 
-@given(
-    base=st.integers(2, 400),
-    N=st.integers(2, 4),
-    P=st.integers(1, 3),
-    L=st.integers(0, 3),
-    div=st.integers(1, 50),
-)
+@given(base=st.integers(2, 400), N=st.integers(2, 4), P=st.integers(1, 3), L=st.integers(0, 3), div=st.integers(1, 50))
 def test_head_sizes_offsets_and_padding(base, N, P, L, div):
     cfg = hash_config(10, N, P, 0, base=base, div=div)
     p = hash_params(cfg, L)

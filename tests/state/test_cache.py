@@ -1,4 +1,4 @@
-"""PLECache, the step scheduler and PLELayer.step (issue 3), on the reference backend."""
+"""PLECache, the step scheduler and PLELayer.step (docs/spec.md section 7.13), on the reference backend."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def make_layers(config, num_layers, seed, backend="reference", dtype=torch.float
        num_spec_tokens=st.integers(0, 4))
 def test_schedule_property(config, data, seed, num_layers, layout, num_spec_tokens):
     """Every accepted token of any schedule equals forward over the whole accepted sequence, and no
-    step turns a tensor into a Python value (issue 12: the plan carries every host value)."""
+    step turns a tensor into a Python value (the plan carries every host value: docs/spec.md section 7.13)."""
     script = data.draw(pst.serving_scripts(config, num_spec_tokens=num_spec_tokens), label="script")
     note(f"config={config}")
     note(f"script={script}")

@@ -32,14 +32,14 @@ PATHS = ("fast", "general")
 
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch) -> tuple[str, list[str]]:
-    """``"fast"``: the ops as they are; ``"general"``: every op's fast path refused (``takes_blocked_path`` of
-    the gate and the prefill, ``takes_slice_path`` of the conv), so the general paths run on the CPU without
-    autograd. Returns the path and the list of blocked paths that ran (``"gate"``, ``"prefill"``), filled
-    as they run."""
+    """``"fast"``: the ops as they are; ``"general"``: every op's fast path refused (the gate's
+    ``takes_block_gate_path``, the prefill's ``takes_blocked_forward_path``, the conv's ``takes_slice_path``),
+    so the general paths run on the CPU without autograd. Returns the path and the list of blocked paths that
+    ran (``"gate"``, ``"prefill"``), filled as they run."""
     ran: list[str] = []
     if request.param == "general":
-        monkeypatch.setattr(vec_gate, "takes_blocked_path", lambda *a: False)
-        monkeypatch.setattr(vec_prefill, "takes_blocked_path", lambda *a: False)
+        monkeypatch.setattr(vec_gate, "takes_block_gate_path", lambda *a: False)
+        monkeypatch.setattr(vec_prefill, "takes_blocked_forward_path", lambda *a: False)
         monkeypatch.setattr(vec_training_conv, "takes_slice_path", lambda: False)
     for module, name, tag in ((vec_gate, "BlockGate", "gate"), (vec_prefill, "_forward_blocked", "prefill")):
         real = getattr(module, name)
@@ -87,6 +87,19 @@ def _case(lens, **kw):
     return dict(dict(H=4, C=8, lens=lens, K=4, dilation=3, dtype=torch.float32, keep=False, zeros=False, seed=1), **kw)
 
 
+def vec_and_ref(path: tuple[str, list[str]], case: dict, op: str) -> tuple:
+    """``op`` of ``ple.vectorized`` and of ``ple.reference`` on ``case``'s tensors (``"ple_gate"``: the prefill's
+    first seven arguments), without autograd; the case is noted and ``path``'s record of the blocked paths that
+    ran emptied first."""
+    note(repr(case))
+    args, kw = make(case)
+    if op == "ple_gate":
+        args, kw = args[:7], {}
+    path[1].clear()
+    with torch.no_grad():
+        return getattr(vec, op)(*args, **kw), getattr(ref, op)(*args, **kw)
+
+
 FIXTURE = [HealthCheck.function_scoped_fixture]          # `path` patches once per test, not per example
 
 
@@ -100,12 +113,8 @@ FIXTURE = [HealthCheck.function_scoped_fixture]          # `path` patches once p
 @example(case=_case([3, 3, 3, 3, 3, 43, 100], dtype=torch.bfloat16))
 @example(case=_case([100, 30, 170], K=3, dilation=40))          # S = 80: blocks of 128 rows, history > 64 rows
 def test_prefill_paths_are_the_reference_bit_for_bit(path, case):
-    note(repr(case))
     which, ran = path
-    args, kw = make(case)
-    ran.clear()
-    with torch.no_grad():
-        got, want = vec.ple_prefill(*args, **kw), ref.ple_prefill(*args, **kw)
+    got, want = vec_and_ref(path, case, "ple_prefill")
     assert ("prefill" in ran) == (which == "fast")
     assert torch.equal(bits(got), bits(want))
 
@@ -113,12 +122,8 @@ def test_prefill_paths_are_the_reference_bit_for_bit(path, case):
 @given(case=blocked_cases())
 @settings(max_examples=examples(20), deadline=None, suppress_health_check=FIXTURE)
 def test_gate_paths_are_the_reference_bit_for_bit(path, case):
-    note(repr(case))
     which, ran = path
-    args, _ = make(case)
-    ran.clear()
-    with torch.no_grad():
-        got, want = vec.ple_gate(*args[:7]), ref.ple_gate(*args[:7])
+    got, want = vec_and_ref(path, case, "ple_gate")
     assert ("gate" in ran) == (which == "fast" and sum(case["lens"]) > vec_gate.BLOCK_ROWS)
     for a, b in zip(got, want):
         assert torch.equal(bits(a), bits(b))

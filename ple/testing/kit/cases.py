@@ -6,9 +6,10 @@ Every builder makes CPU tensors from plain values and, where it draws, a ``torch
 (``[T, C]`` rows, possibly the first C columns of a wider buffer), `state_view` (a conv state in
 one of the three legal layouts, and the buffer behind it), `clone_state` (a copy with the same
 strides), `request_rows` (a call's offsets and where its logical rows lie), `assign_slots`
-(each request's state slot, the null slot among them) and `distinct_nans` / `fill_nans_` (NaNs whose
-bits all differ, for what a call must neither read nor move). `conv.build_conv`, `conv.build_export`
-and `prefill.build_prefill` make the checks' whole calls from them.
+(each request's state slot, the null slot among them), `serving_state` (those slots, then their
+state) and `distinct_nans` / `fill_nans_` (NaNs whose bits all differ, for what a call must neither
+read nor move). `conv.build_conv`, `conv.build_export` and `prefill.build_prefill` make the checks'
+whole calls from them.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from ..._deprecation import deprecated_parameter
 
 __all__ = ["NAN", "randn", "to64", "index_tensor", "rows_view", "state_view", "clone_state", "request_rows",
-           "assign_slots", "distinct_nans", "fill_nans_", "HALF_DTYPES"]
+           "assign_slots", "serving_state", "distinct_nans", "fill_nans_", "HALF_DTYPES"]
 
 NAN = float("nan")
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -121,6 +122,19 @@ def assign_slots(num_requests: int, extra_slots: int, null_at_end: bool, null_re
     free = [s for s in range(num_slots) if s != null_slot]
     order = torch.randperm(len(free), generator=g).tolist()
     return num_slots, null_slot, [null_slot if null_requests[r] else free[order[r]] for r in range(num_requests)]
+
+
+def serving_state(case: Mapping[str, Any], num_requests: int, channels: int, state_width: int, dtype: torch.dtype,
+                  g: torch.Generator) -> tuple[int, int, list[int], torch.Tensor, torch.Tensor]:
+    """A serving call's slots, then its state: (the number of slots, the null slot, ``state_indices_list``) of
+    `assign_slots` (``case["extra_slots"]``, ``case["null_at_end"]``, ``case["null_requests"]``), then the state
+    and its buffer of `state_view` (``case["layout"]``; in ``dtype``, or float32 where ``case["state_dtype"]`` is
+    ``"float32"``), drawn from ``g`` in that order."""
+    num_slots, null_slot, state_indices_list = assign_slots(num_requests, case["extra_slots"], case["null_at_end"],
+                                                            case["null_requests"], g)
+    sdt = dtype if case["state_dtype"] == "same" else torch.float32
+    state, buf = state_view(num_slots, channels, state_width, case["layout"], sdt, g)
+    return num_slots, null_slot, state_indices_list, state, buf
 
 
 # dtype -> (the integers of its size, its mantissa bits)

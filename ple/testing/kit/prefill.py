@@ -48,18 +48,11 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
+from ... import _checks
 from ... import reference as ref
+from ._options import check_options
 from ._report import compare_bits, compare_close, fmt_case, poisoned_empty, row_of
-from .cases import (
-    HALF_DTYPES,
-    assign_slots,
-    clone_state,
-    fill_nans_,
-    index_tensor,
-    randn,
-    request_rows,
-    state_view,
-)
+from .cases import HALF_DTYPES, clone_state, fill_nans_, index_tensor, randn, request_rows, serving_state
 from .ops import _grads, _prop, _scores
 
 __all__ = ["check_ple_prefill", "prefill_cases"]
@@ -135,10 +128,7 @@ def build_prefill(case: dict[str, Any]) -> dict[str, Any]:
     if not serving:
         return t
     W = S + case["extra_w"]
-    num_slots, null_slot, state_indices_list = assign_slots(R, case["extra_slots"], case["null_at_end"],
-                                                            case["null_requests"], g)
-    sdt = dt if case["state_dtype"] == "same" else torch.float32
-    state, buf = state_view(num_slots, C, W, case["layout"], sdt, g)
+    num_slots, null_slot, state_indices_list, state, buf = serving_state(case, R, C, W, dt, g)
     has_init, init = [False] * R, None
     if case["init"] is not None:
         has_init = list(case["init_values"])
@@ -313,9 +303,10 @@ def check_ple_prefill(fn: Callable[..., Any], *, parts: Sequence[str] = PARTS, d
     old columns and every bit the call must not write are always compared bit for bit.
     Returns quietly, or raises ``AssertionError`` naming the smallest failing case.
     """
+    check_options(dtypes=dtypes, max_hidden=max_hidden, max_requests=max_requests, exact_states=exact_states,
+                  max_examples=max_examples, seed=seed)
+    parts = _checks.choices_arg("parts", parts, PARTS)
     for part in parts:
-        if part not in PARTS:
-            raise ValueError(f"parts: expected some of {PARTS}, got {part!r}")
         if part == "forward":
             body = lambda case: check_one_forward(fn, case)  # noqa: E731
         else:
