@@ -1,6 +1,6 @@
 """A CPU decode step of ``PLELayer`` (reference backend) beside transformers' own ``Qwen4ExpTextPLELayer``.
 
-Issue 12, item 6: a 64-request decode on a CPU at least 2x faster than transformers' batched
+The goal: a 64-request decode on a CPU at least 2x faster than transformers' batched
 decode of the same layer. One run builds one random layer at the real model's widths (a small
 table: ``ngram_vocab_size_base`` 20_000), loads the same weights into both, prefills R requests
 of different lengths (left-padded for transformers, as its model pads a batch), checks that one

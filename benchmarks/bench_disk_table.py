@@ -160,12 +160,12 @@ def write_checkpoint(path: Path, cfg: PLEConfig, table_dtype: str, file_gib: flo
         for name, t in small.named_parameters():
             t.copy_((torch.randn(t.shape, generator=gen) * (t.shape[-1] ** -0.5 if "proj" in name else 0.3)
                      ).to(t.dtype))
-    block_rows = (64 << 20) // row_nbytes(table_dtype, D)
-    block = random_block(block_rows, D, table_dtype, gen)
+    rows_per_block = (64 << 20) // row_nbytes(table_dtype, D)
+    block = random_block(rows_per_block, D, table_dtype, gen)
 
     def produce(a: int, b: int):
-        for lo in range(a, b, block_rows):
-            yield block[: min(block_rows, b - lo)]
+        for lo in range(a, b, rows_per_block):
+            yield block[: min(rows_per_block, b - lo)]
 
     prefix = "model.language_model.layers.1.ple."
     entries = []

@@ -1,4 +1,4 @@
-"""Training the table on disk (SPEC 12: ``load_layer(..., offload="disk", overlay=DIR)``) against the table in memory.
+"""Training the table on disk (docs/spec.md 12: ``load_layer(..., offload="disk", overlay=DIR)``) against it in memory.
 
 One run measures, on checkpoints written as ``bench_disk_table.py`` writes them (one layer, the real row width
 D = 160 and NH = 16, the model's 128 shards, files of at most ``--file-gib``; a narrow hidden size, ``--hidden``,
@@ -91,7 +91,7 @@ RESULTS = Path(tempfile.gettempdir()) / "ple_bench_disk_training"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 PARTS = ("train", "flush", "merge", "real")
 LR = 0.01
-NOTE = ("This machine: {cpus} cores shared with other work (tests of other sessions ran beside this run), "
+NOTE = ("This machine: {cpus} cores shared with other work (other test runs went on beside this one), "
         "{mem:.0f} GiB of memory, {threads} torch threads; every ratio comes from this one run.")
 
 

@@ -1,12 +1,12 @@
 """The default CPU layer (``backend="torch"``, ``ple.vectorized``) beside transformers' ``Qwen4ExpTextPLELayer``.
 
-Issue 21, item 4. One run builds one random layer (``ple.testing.layers.random_layer``) per dtype
+One run builds one random layer (``ple.testing.layers.random_layer``) per dtype
 at C 2048 (``--hidden-size`` 512, ``--hc-count`` 4), E 512 and a small table
 (``ngram_vocab_size_base`` 20_000), loads the same weights into transformers' module, checks that
 each case's first call gives the same outputs (bfloat16: bit for bit; float32: within 1e-5
 relative, printed either way), then times every case with the two implementations interleaved
 (call A, call B, call A, ...; the median of ``--repeats`` calls each), so that a noisy, shared
-machine slows both alike. Cases, and the bar of issue 21 (ple time / transformers time):
+machine slows both alike. Cases, and the bar each must meet (ple time / transformers time):
 
 * ``forward BxL``: ``layer(hidden, ids)`` under ``torch.no_grad()`` against ``hidden + module(hidden,
   ids, None)`` (as its decoder layer adds the module's term); at most 0.8.

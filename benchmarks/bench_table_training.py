@@ -17,7 +17,8 @@ the table, its dense gradient), ``sparse-adam`` (``PLELayer(sparse_table_grad=Tr
 never taken, so the overhead is what any way of training the table pays before its update (the gradient of
 the looked-up rows, ``dE = dK Wk + dV Wv``, two GEMMs of the step's tokens by the projections, and the
 bookkeeping). A mode whose state would not fit ``--memory-gib`` is skipped and said so. The
-targets of issue 32 are checked at the end (``--check`` exits 1 if one is missed).
+targets (the adagrad overhead's growth with the rows, the ratios to ``SparseAdam`` and dense ``Adam``, the
+peak memory, the overhead against the frozen step) are checked at the end (``--check`` exits 1 if one is missed).
 
     python benchmarks/bench_table_training.py                         # 1M, 4M and 16M rows
     python benchmarks/bench_table_training.py --smoke

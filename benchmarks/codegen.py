@@ -146,7 +146,7 @@ def scenarios(smoke):
     for rule, st in (("adagrad", lambda: [empty(320_001_536, dtype=torch.float32)]),
                      ("adam", lambda: [empty(320_001_536, D, dtype=torch.float32),
                                        empty(320_001_536, dtype=torch.float32)])):
-        out.append(("table_update", f"{rule} M={M}", lambda rule=rule, st=st: (TU._update(
+        out.append(("table_update", f"{rule} U={M}", lambda rule=rule, st=st: (TU._update(
             empty(320_001_536, D), empty(M, dtype=torch.int64), empty(M, D), st(), rule, 1e-2, 0.0, 1e-8,
             (0.9, 0.999), 2), T)[1]))
     i64 = dict(dtype=torch.int64)
@@ -354,7 +354,7 @@ def layout_tag(row) -> str:
 
 
 def shortfalls(row, waived=False):
-    """The issue's goals this kernel misses: no spills, >= 90% 128-bit, >= 2 CTAs per SM. ``waived``: only
+    """The report's goals this kernel misses: no spills, >= 90% 128-bit, >= 2 CTAs per SM. ``waived``: only
     those with a `WAIVERS` entry (else: only those without one)."""
     if not row["compiled"]:
         return [] if waived else ["did not compile"]
@@ -416,7 +416,7 @@ def print_table(rows):
             t[0] += r["bytes_per_token"]
     for (op, case), (got, least) in totals.items():
         print(f"  {op:<20} {case:<24} {got:>10} / {least:<9} = {got / least:.2f}x")
-    print("\nShort of the issue's goals (no spills, >= 90% 128-bit, >= 2 CTAs/SM):")
+    print("\nShort of the report's goals (no spills, >= 90% 128-bit, >= 2 CTAs/SM):")
     seen = set()
     for r in rows:
         miss = shortfalls(r)

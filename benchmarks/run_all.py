@@ -287,7 +287,7 @@ def plot_report(csv_path: Path, png_path: Path, peak_gbps: float) -> str | None:
     fracs = [float(r["frac_peak"]) * 100 for r in rows]
     fig, ax = plt.subplots(figsize=(10, 0.28 * len(rows) + 1.5))
     ax.barh(labels, fracs, color="C0")
-    ax.axvline(80, color="C3", ls="--", lw=1, label="goal: 80 % (issue 13)")
+    ax.axvline(80, color="C3", ls="--", lw=1, label="goal: 80 % of the peak")
     ax.set(xlabel=f"% of the HBM peak ({peak_gbps:.0f} GB/s)", xlim=(0, max(100.0, max(fracs) * 1.05)),
            title=f"Triton kernels: achieved bandwidth ({rows[0]['device']})")
     ax.invert_yaxis()

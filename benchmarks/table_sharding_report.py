@@ -89,7 +89,7 @@ def _h(n: float) -> str:
 def markdown(config: ple.PLEConfig, worlds: list[int], T: int, *, int8: bool = False) -> str:
     lines = [f"Per rank, one PLE layer's lookup of T = {T} tokens per rank (E = {config.ple_embed_dim}, "
              f"D = {config.ngram_head_dim}, {hash_params(config, 0).num_rows:,} rows, bfloat16):", "",
-             "| W | plan | table / rank | sent, forward | sent, backward | collectives (fwd; bwd) | host syncs |",
+             "| G | plan | table / rank | sent, forward | sent, backward | collectives (fwd; bwd) | host syncs |",
              "|---|---|---|---|---|---|---|"]
     for W in worlds:
         for r in plan_rows(config, W, T, int8=int8):
