@@ -69,6 +69,7 @@ def _token_order_sum(grad, ids, rows, dtype):
     return out.to(dtype)
 
 
+@pytest.mark.deep                  # a property of ~7 s under the interpreter: the deep tier
 @pytest.mark.usefixtures("deterministic_mode")
 @given(rows=st.integers(1, 6), T=st.integers(1, 11), NH=st.integers(1, 4), D=st.integers(1, 9),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),

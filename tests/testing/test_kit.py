@@ -49,7 +49,10 @@ def test_torch_backend_passes(op):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("op", list(CHECKS))
+# The kit over the interpreted gate and conv kernels takes ~7 s each: the deep tier (their own property tests,
+# tests/fast/test_gate.py and test_conv.py, stay quick).
+@pytest.mark.parametrize("op", [pytest.param(op, marks=[pytest.mark.deep] if op in ("ple_gate", "ple_conv") else [])
+                                for op in CHECKS])
 def test_fast_ops_pass(op):
     from ple import fast
     kw = dict(max_examples=examples(2))
