@@ -10,11 +10,12 @@
 * ``ple.testing``: tolerances, strategies and checkers for testing kernels.
 * ``ple.table``: the n-gram table (dense, quantized, host-offloaded; sharded in ``ple.distributed``).
 * ``ple.optim``: row-wise optimizers that train the table through the rows a step looked up.
+* ``ple.analysis``: what the memory holds and what it does (n-gram statistics, probes, ablations).
 * ``ple.PLELayer``: the layer, on any backend (``backend="reference" | "torch" | "triton" | "auto"``).
 
 After a bare ``import ple``, ``ple.reference``, ``ple.vectorized``, ``ple.state``, ``ple.io``,
-``ple.testing`` and ``ple.optim`` are usable as attributes (docs/spec.md section 7); ``ple.fast`` and
-``ple.distributed`` are imported when first used.
+``ple.testing`` and ``ple.optim`` are usable as attributes (docs/spec.md section 7); ``ple.fast``,
+``ple.distributed`` and ``ple.analysis`` are imported when first used.
 """
 
 import importlib
@@ -28,7 +29,7 @@ __all__ = ["PLEConfig", "PRESETS", "PLELayer", "reference", "vectorized", "state
            "optim"]
 __version__ = "0.1.0"
 
-_LAZY = ("fast", "distributed")
+_LAZY = ("fast", "distributed", "analysis")
 
 
 def __getattr__(name: str) -> ModuleType:

@@ -6,8 +6,9 @@ cases (random rows, index tensors, conv states in every layout, slots and token_
 cache or of an op's arguments, layers with every parameter random, the hash parameters of the tiny preset,
 a small valid call of every op (`valid_op_calls`),
 a planted mistake the kit must catch, serving replays compared, one process's answer over a packed batch, each
-rank serving its own requests and a module's checks spawned once per world size (the gloo tests), and tables off
-the device (prefetched forwards and lookups, which NF4 unpacker a lookup calls).
+rank serving its own requests and a module's checks spawned once per world size (the gloo tests), tables off
+the device (prefetched forwards and lookups, which NF4 unpacker a lookup calls), and the hash in plain Python
+(``py_*``: docs/spec.md sections 2-3 in loops and Python ints, the oracle of the hashing and n-gram statistics tests).
 """
 
 from __future__ import annotations
@@ -310,3 +311,68 @@ def unpacker_calls(monkeypatch) -> list[str]:
     monkeypatch.setattr(ple.reference, "nf4_dequantize_rows", spy("reference", ple.reference.nf4_dequantize_rows))
     monkeypatch.setattr(ple.table, "dequantize_rows", spy("vectorised", ple.quant.dequantize_rows))
     return calls
+
+
+# ---- the hash in plain Python: an independent statement of docs/spec.md sections 2 and 3 -------------------
+# Loops and Python ints, no torch: the oracle of tests/reference/test_hashing.py and tests/analysis/test_stats.py.
+def py_splitmix64(x: int) -> int:
+    z = (x + 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    return z ^ (z >> 31)
+
+
+def py_multipliers(V: int, N: int, seed: int, L: int) -> list[int]:
+    half = max(1, ((2**63 - 1) // max(V, 1)) // 2)
+    base = seed + 10007 * L
+    return [2 * (py_splitmix64((base + 0x9E3779B97F4A7C15 * (i + 1)) % 2**64) % half) + 1 for i in range(N)]
+
+
+def py_is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    f = 2
+    while f * f <= n:
+        if n % f == 0:
+            return False
+        f += 1
+    return True
+
+
+def py_head_sizes(base: int, NH: int, L: int) -> list[int]:
+    primes, n = [], base
+    while len(primes) < (L + 1) * NH:
+        if py_is_prime(n):
+            primes.append(n)
+        n += 1
+    return primes[L * NH :]
+
+
+def py_windows(tokens: list[int], ctx: list[int], N: int, eos: int) -> list[list[int]]:
+    """``w[0..N-1]`` (newest first) of every token of ``tokens``, read literally from docs/spec.md section 3."""
+    full = list(ctx) + list(tokens)
+    out = []
+    for p in range(len(ctx), len(full)):
+        w = [full[p]]
+        reached_eos = False
+        for k in range(1, N):
+            tok = full[p - k] if p - k >= 0 else eos
+            w.append(eos if reached_eos else tok)
+            if tok == eos:
+                reached_eos = True
+        out.append(w)
+    return out
+
+
+def py_rows(window: list[int], mult: list[int], sizes: list[int], P: int) -> list[int]:
+    """The NH table rows of one window."""
+    offsets = [sum(sizes[:h]) for h in range(len(sizes))]
+    rows = []
+    for n in range(2, len(mult) + 1):
+        mix = 0
+        for k in range(n):
+            mix ^= window[k] * mult[k]
+        for j in range(P):
+            h = (n - 2) * P + j
+            rows.append(mix % sizes[h] + offsets[h])
+    return rows

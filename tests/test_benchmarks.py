@@ -125,6 +125,23 @@ def test_disk_training_benchmark_smoke(tmp_path, monkeypatch):
     assert not list(work.iterdir())                                      # checkpoints, overlays, fio's file
 
 
+@pytest.mark.deep           # ~10 s: three child processes
+def test_analysis_benchmark_smoke(tmp_path, monkeypatch, capsys):
+    """``bench_analysis.py --smoke``: ``ngram_stats`` in fresh processes at 2 and 1 threads and the plain Python
+    Counter beside it (the same statistics), the table printed, a row each in the CSV."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("bench_analysis", None)
+    import bench_analysis
+
+    out = tmp_path / "rows.csv"
+    assert bench_analysis.main(["--smoke", "--csv", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "statistics equal to ngram_stats': True" in text and "| ple | 2 | 19,968 |" in text
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["benchmark"], r["variant"]) for r in rows] == [("ngram_stats", "ple")] * 2 + [("ngram_stats", "counter")]
+    assert all(float(r["ms"]) > 0 and int(r["bytes"]) >= 0 and float(r["vs_reference"]) > 0 for r in rows)
+
+
 def _row(benchmark, case, variant, ms, nbytes, gbps, **kw):
     row = dict(date="2026-12-01T00:00:00", commit="abc1234", machine="m", device="NVIDIA H200", torch="2.13",
                triton="3.6", benchmark=benchmark, case=case, dtype="bfloat16", variant=variant, ms=f"{ms:.4f}",

@@ -3,7 +3,8 @@ module imports a layer above its own.
 
 Layers, bottom to top: config, numerics and hash parameters; the op backends (``ple.backends`` and the
 three op packages); the table (and its host-offload machinery); the layer; then ``state``, ``io``,
-``distributed``, ``integrations``, ``testing``; the command line on top. A module may import its own
+``distributed``, ``integrations``, ``testing``; ``analysis`` (which may use any of them); the command line on
+top. A module may import its own
 layer or any layer below (a package's ``__init__`` may import its own submodules); imports under
 ``if TYPE_CHECKING:`` (for annotations, never run) do not count.
 """
@@ -27,6 +28,7 @@ LAYERS = [
     ("distributed", ["ple.distributed"]),
     ("integrations", ["ple.integrations"]),
     ("testing", ["ple.testing"]),
+    ("analysis", ["ple.analysis"]),
     ("cli", ["ple.demo", "ple.__main__", "ple"]),
 ]
 

@@ -79,7 +79,17 @@ def _ngram_ids(input_ids: torch.Tensor, params: HashParams, heads_per_ngram: int
         ctx = ngram_context.to(torch.int64)
 
     window = _batch_windows(ids, ctx, N, eos_token_id, query_start_loc)       # [T, N]
+    return _window_rows(window, params, heads_per_ngram)
 
+
+def _window_rows(window: torch.Tensor, params: HashParams, heads_per_ngram: int, first_order: int = 2) -> torch.Tensor:
+    """The table rows of windows ``[T, n]`` (EOS rule applied; ``n`` = the multipliers of ``params``): each
+    order's mix and every head's floor remainder (docs/spec.md section 3), ``[T, (n - first_order + 1) * P]``
+    for the orders ``first_order..n``, whose head sizes and offsets ``params`` holds (all NH heads with the
+    default 2; ``ple.analysis`` hashes the windows of one order n with the first n multipliers and order n's
+    heads)."""
+    dev = window.device
+    N = params.multipliers.numel()
     m = params.multipliers.to(dev)
     sizes, offsets = params.head_sizes.to(dev), params.head_offsets.to(dev)
     P = heads_per_ngram
@@ -87,5 +97,5 @@ def _ngram_ids(input_ids: torch.Tensor, params: HashParams, heads_per_ngram: int
     mixes = [prod[:, 0] ^ prod[:, 1]]
     for n in range(3, N + 1):
         mixes.append(mixes[-1] ^ prod[:, n - 1])
-    mix = torch.stack(mixes, 1).repeat_interleave(P, dim=1)          # [T, NH]: head h hashes order h // P + 2
+    mix = torch.stack(mixes[first_order - 2:], 1).repeat_interleave(P, dim=1)   # head h: order h // P + first_order
     return mix % sizes + offsets

@@ -1,8 +1,8 @@
 """Hash parameters and n-gram ids (docs/spec.md sections 2 and 3).
 
 The library is checked against docs/spec.md's check values and against a small
-pure-Python statement of the window rule and the hash written here (loops and
-Python ints, no torch), on token streams full of EOS.
+pure-Python statement of the window rule and the hash (loops and Python ints, no
+torch: the ``py_*`` functions of tests/_helpers.py), on token streams full of EOS.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from itertools import pairwise
 
 import pytest
 import torch
+from _helpers import py_head_sizes, py_is_prime, py_multipliers, py_rows, py_splitmix64, py_windows
 from hypothesis import given, note
 from hypothesis import strategies as st
 
@@ -21,70 +22,7 @@ MASK64 = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15
 
 
-# ---- an independent statement of docs/spec.md sections 2 and 3 ---------------------------------------------
-def py_splitmix64(x: int) -> int:
-    z = (x + GOLDEN) % 2**64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
-    return z ^ (z >> 31)
-
-
-def py_multipliers(V: int, N: int, seed: int, L: int) -> list[int]:
-    half = max(1, ((2**63 - 1) // max(V, 1)) // 2)
-    base = seed + 10007 * L
-    return [2 * (py_splitmix64((base + GOLDEN * (i + 1)) % 2**64) % half) + 1 for i in range(N)]
-
-
-def py_is_prime(n: int) -> bool:
-    if n < 2:
-        return False
-    f = 2
-    while f * f <= n:
-        if n % f == 0:
-            return False
-        f += 1
-    return True
-
-
-def py_head_sizes(base: int, NH: int, L: int) -> list[int]:
-    primes, n = [], base
-    while len(primes) < (L + 1) * NH:
-        if py_is_prime(n):
-            primes.append(n)
-        n += 1
-    return primes[L * NH :]
-
-
-def py_windows(tokens: list[int], ctx: list[int], N: int, eos: int) -> list[list[int]]:
-    """``w[0..N-1]`` (newest first) of every token of ``tokens``, read literally from docs/spec.md section 3."""
-    full = list(ctx) + list(tokens)
-    out = []
-    for p in range(len(ctx), len(full)):
-        w = [full[p]]
-        reached_eos = False
-        for k in range(1, N):
-            tok = full[p - k] if p - k >= 0 else eos
-            w.append(eos if reached_eos else tok)
-            if tok == eos:
-                reached_eos = True
-        out.append(w)
-    return out
-
-
-def py_rows(window: list[int], mult: list[int], sizes: list[int], P: int) -> list[int]:
-    """The NH table rows of one window."""
-    offsets = [sum(sizes[:h]) for h in range(len(sizes))]
-    rows = []
-    for n in range(2, len(mult) + 1):
-        mix = 0
-        for k in range(n):
-            mix ^= window[k] * mult[k]
-        for j in range(P):
-            h = (n - 2) * P + j
-            rows.append(mix % sizes[h] + offsets[h])
-    return rows
-
-
+# ---- an independent statement of docs/spec.md sections 2 and 3: py_* in tests/_helpers.py ------------------
 def py_ngram_ids(tokens, ctx, cfg: PLEConfig, L: int = 0) -> list[list[int]]:
     mult = py_multipliers(cfg.vocab_size, cfg.ngram_size, cfg.seed, L)
     sizes = py_head_sizes(cfg.ngram_vocab_size_base, cfg.num_ngram_heads, L)
