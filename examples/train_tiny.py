@@ -73,6 +73,23 @@ def optimizers(model: TinyLM, args) -> list[torch.optim.Optimizer]:
     return [ple.optim.RowwiseAdagrad(model.ple, lr=args.table_lr), torch.optim.Adam(rest, lr=args.lr)]
 
 
+def next_token_loss(model: TinyLM, x: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of predicting ``x[:, 1:]`` from ``x[:, :-1]`` (``x``: ``[batch, length + 1]`` ids)."""
+    logits = model(x[:, :-1])                             # [B, L, V]
+    return nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+
+
+def train_step(model: TinyLM, opts: list[torch.optim.Optimizer], x: torch.Tensor) -> float:
+    """One step of every optimizer on the next-token loss of ``x`` (``[batch, length + 1]``); returns the loss."""
+    loss = next_token_loss(model, x)
+    for opt in opts:
+        opt.zero_grad()
+    loss.backward()
+    for opt in opts:
+        opt.step()
+    return loss.item()
+
+
 def train(use_ple: bool, args, config: ple.PLEConfig) -> list[float]:
     torch.manual_seed(args.seed)
     model = TinyLM(config, use_ple, args.backend)
@@ -81,14 +98,7 @@ def train(use_ple: bool, args, config: ple.PLEConfig) -> list[float]:
     losses = []
     for _ in progress(range(args.steps), desc="with PLE" if use_ple else "without PLE"):
         x = make_batch(gen, args.batch, args.length, config.vocab_size, config.eos_token_id, args.noise)
-        logits = model(x[:, :-1])
-        loss = nn.functional.cross_entropy(logits.reshape(-1, config.vocab_size), x[:, 1:].reshape(-1))
-        for opt in opts:
-            opt.zero_grad()
-        loss.backward()
-        for opt in opts:
-            opt.step()
-        losses.append(loss.item())
+        losses.append(train_step(model, opts, x))
     return losses
 
 

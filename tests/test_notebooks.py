@@ -71,10 +71,10 @@ def jupyter_path(tmp_path_factory) -> pathlib.Path:
     return root
 
 
-def test_the_five_notebooks_exist():
+def test_the_six_notebooks_exist():
     names = [p.name for p in NOTEBOOKS]
-    assert len(names) >= 5, names
-    for prefix in ("01_", "02_", "03_", "04_", "05_"):
+    assert len(names) >= 6, names
+    for prefix in ("01_", "02_", "03_", "04_", "05_", "06_"):
         assert any(n.startswith(prefix) for n in names), f"no notebook {prefix}*.ipynb in {names}"
 
 
