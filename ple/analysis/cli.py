@@ -61,7 +61,8 @@ def _load_tokens(path: str) -> tuple[Any, int]:
     """The sequences of a token file and their total length; a ValueError naming the file for anything else."""
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"{path}: no such file (expected a .npy or .pt file of token ids)")
+        what = "not a regular file" if p.exists() else "no such file"
+        raise ValueError(f"{path}: {what} (expected a .npy or .pt file of token ids)")
     if p.suffix == ".npy":
         try:
             array = np.load(p, mmap_mode="r", allow_pickle=False)

@@ -101,7 +101,7 @@ def _write(kind: str, tmp_path) -> str:
     path = tmp_path / {"missing": "none.npy", "npy garbage": "bad.npy", "pt garbage": "bad.pt", "float npy": "f.npy",
                        "float pt": "f.pt", "float in list": "fl.pt", "out of range": "big.npy",
                        "negative": "neg.pt", "3-D": "cube.npy", "suffix": "tokens.txt", "dict": "d.pt",
-                       "2-D item": "items.pt", "bool": "b.npy"}[kind]
+                       "2-D item": "items.pt", "bool": "b.npy", "a folder": "dir.npy"}[kind]
     if kind in ("npy garbage", "pt garbage", "suffix"):
         path.write_bytes(b"not tokens at all")
     elif kind == "float npy":
@@ -122,11 +122,13 @@ def _write(kind: str, tmp_path) -> str:
         torch.save([torch.zeros(2, 2, dtype=torch.int64)], path)
     elif kind == "bool":
         np.save(path, np.ones(4, dtype=bool))
+    elif kind == "a folder":
+        path.mkdir()
     return str(path)
 
 
 @pytest.mark.parametrize("kind, expected", [
-    ("missing", "no such file"), ("npy garbage", "not a readable .npy file"),
+    ("missing", "no such file"), ("a folder", "not a regular file"), ("npy garbage", "not a readable .npy file"),
     ("pt garbage", "not a .pt file torch.load reads"), ("float npy", "expected integer token ids, got float64"),
     ("float pt", "expected integer token ids, got float32"), ("float in list", "item 1: expected integer token ids"),
     ("out of range", r"token ids must lie in \[0, 1000\).*found 1000 at position 1 of sequence 1"),
