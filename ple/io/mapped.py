@@ -24,6 +24,7 @@ import os
 import struct
 import threading
 import warnings
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,8 @@ class MappedFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.fd = os.open(path, os.O_RDONLY)
+        # A file garbage-collected unclosed gives its descriptor back too (its mapping closes itself).
+        self._release_fd = weakref.finalize(self, os.close, self.fd)
         try:
             st = os.fstat(self.fd)
             self.size, self.mtime_ns = st.st_size, st.st_mtime_ns
@@ -136,7 +139,7 @@ class MappedFile:
             m.close()
             self.map = None  # type: ignore[assignment]
         if self.fd >= 0:
-            os.close(self.fd)
+            self._release_fd()                          # os.close, once
             self.fd = -1
 
 
