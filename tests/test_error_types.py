@@ -85,6 +85,7 @@ CONFIG_INTS = ("vocab_size", "hidden_size", "hc_count", "ple_conv_kernel_size", 
 MISTAKES: list[tuple] = [
     # the ops
     *floats("eps", positive=True),
+    *bools("validate"),
     *ints("dilation", 1), *ints("null_slot"), *ints("state_len", 1), *ints("group_size", 1),
     *ints("heads_per_ngram", 1), *ints("step", 1), *ints("ple_layer_index", 0),
     *ints("eos_token_id", 0, none=False), ("eos_token_id-none", "eos_token_id", None, TypeError, "ngram"),

@@ -56,6 +56,7 @@ from .args import (
     offsets_values,
     rows_values,
     tensor,
+    validating,
     value_range,
 )
 from .conv import (
@@ -94,8 +95,9 @@ from .update import (
     table_update_values,
 )
 
-__all__ = ["Host", "tensor", "index", "int_arg", "float_arg", "bool_arg", "choice_arg", "choices_arg", "host_list",
-           "host_values", "value_range", "offsets_meta", "offsets_values", "offsets_arg", "rows_values", "full_check",
+__all__ = ["Host", "tensor", "index", "int_arg", "float_arg", "bool_arg", "validating", "choice_arg", "choices_arg",
+           "host_list", "host_values", "value_range", "offsets_meta", "offsets_values", "offsets_arg", "rows_values",
+           "full_check",
            "NgramCall", "ngram_meta", "ngram_values", "ngram_call", "LookupCall", "lookup_meta", "lookup_values",
            "lookup_call", "GateCall", "gate_call",
            "ConvCall", "ple_conv_meta", "ple_conv_values", "ple_conv_call", "CheckpointCall", "export_meta",

@@ -108,6 +108,12 @@ def bool_arg(name: str, value) -> bool:
     return value
 
 
+def validating(validate) -> bool:
+    """An op's ``validate`` flag, which must be ``True`` or ``False`` (a ``TypeError`` naming it otherwise): whether
+    the op checks its values as well as its metadata."""
+    return bool_arg("validate", validate)
+
+
 def _one_of(choices: Sequence) -> str:
     return ", ".join(map(repr, choices))
 

@@ -416,7 +416,7 @@ def ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Ten
         outer_residual=outer_residual, null_slot=null_slot)
     _ple_conv_op(inputs, residual, conv_state, conv_weights, state_indices, mode, dilation, query_start_loc,
                  has_initial_states, num_accepted_tokens, spec_query_len, token_indices, outer_residual, null_slot,
-                 bool(validate))
+                 _checks.validating(validate))
 
 
 def _export_impl(inputs: torch.Tensor, conv_state: torch.Tensor, query_start_loc: torch.Tensor,
@@ -444,4 +444,4 @@ def export_conv_checkpoints(inputs: torch.Tensor, conv_state: torch.Tensor, *,
     _checks.export_meta(inputs, conv_state, query_start_loc=query_start_loc, offsets=offsets, slots=slots,
                         state_len=state_len, token_indices=token_indices, null_slot=null_slot)
     _export_op(inputs, conv_state, query_start_loc, offsets, slots, state_len, token_indices, null_slot,
-               bool(validate))
+               _checks.validating(validate))

@@ -237,4 +237,4 @@ def embedding_lookup(weight: torch.Tensor, ids: torch.Tensor, *, validate: bool 
     host read: the grid comes from shapes). CPU tensors are refused (``ValueError``) while the kernels are compiled;
     under ``TRITON_INTERPRET=1`` they run on the CPU."""
     _checks.lookup_meta(weight, ids)
-    return _lookup_op(weight, ids, bool(validate))
+    return _lookup_op(weight, ids, _checks.validating(validate))

@@ -286,7 +286,7 @@ def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: i
     ``TRITON_INTERPRET=1`` they run on the CPU."""
     _checks.ngram_meta(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
     return _ngram_ids_op(input_ids, params.multipliers, params.head_sizes, params.head_offsets, params.vocab_size,
-                         heads_per_ngram, eos_token_id, query_start_loc, ngram_context, bool(validate))
+                         heads_per_ngram, eos_token_id, query_start_loc, ngram_context, _checks.validating(validate))
 
 
 def _ngram_embedding_bwd_impl(grad: torch.Tensor, input_ids: torch.Tensor, multipliers: torch.Tensor,
@@ -359,7 +359,7 @@ def ngram_embedding(weight: torch.Tensor, input_ids: torch.Tensor, params: HashP
                        weight=weight)
     return _ngram_embedding_op(weight, input_ids, params.multipliers, params.head_sizes, params.head_offsets,
                                params.vocab_size, heads_per_ngram, eos_token_id, query_start_loc, ngram_context,
-                               bool(validate))
+                               _checks.validating(validate))
 
 
 # ---- NF4 tables: hash, gather and unpack in one kernel ---------------------------------------------------------
@@ -428,4 +428,4 @@ def ngram_embedding_nf4(weight: torch.Tensor, input_ids: torch.Tensor, params: H
         raise TypeError(f"dtype: expected a torch float dtype, got {dtype!r}")
     return _ngram_embedding_nf4_op(weight, input_ids, params.multipliers, params.head_sizes, params.head_offsets,
                                    params.vocab_size, heads_per_ngram, eos_token_id, query_start_loc,
-                                   ngram_context, dtype, bool(validate))
+                                   ngram_context, dtype, _checks.validating(validate))

@@ -441,7 +441,7 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
                          has_initial_states=has_initial_states, token_indices=token_indices, null_slot=null_slot)
     if conv_state is None:
         return _fwd_op(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, float(eps),
-                       conv_weights, dilation, query_start_loc, keep, bool(validate))
+                       conv_weights, dilation, query_start_loc, keep, _checks.validating(validate))
     return _serving_op(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, float(eps),
                        conv_weights, dilation, query_start_loc, keep, conv_state, state_indices, has_initial_states,
-                       token_indices, null_slot, bool(validate))
+                       token_indices, null_slot, _checks.validating(validate))

@@ -158,4 +158,4 @@ def table_update(weight: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor, st
     ``TRITON_INTERPRET=1`` they run on the CPU."""
     _checks.table_update_meta(weight, ids, grad, state, rule, lr, weight_decay, eps, betas, step)
     _update_op(weight, ids, grad, list(state), rule, float(lr), float(weight_decay), float(eps), float(betas[0]),
-               float(betas[1]), int(step), bool(validate))
+               float(betas[1]), int(step), _checks.validating(validate))

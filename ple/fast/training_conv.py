@@ -440,4 +440,4 @@ def dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: int,
     backward. CPU tensors are refused (``ValueError``) while the kernels are compiled; under ``TRITON_INTERPRET=1``
     they run on the CPU."""
     _checks.dilated_causal_conv_meta(x, weight, dilation, cu_seqlens)
-    return _op(x, weight, dilation, cu_seqlens, bool(validate))
+    return _op(x, weight, dilation, cu_seqlens, _checks.validating(validate))

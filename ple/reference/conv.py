@@ -157,7 +157,7 @@ def ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Ten
         >>> ple_conv(torch.randn(2, 4), residual, conv_state, torch.randn(4, 3), torch.tensor([1, 2]),
         ...          mode="decode", dilation=3)                 # K = 3, d = 3: S = 6; one token per request
     """
-    check = _checks.ple_conv_call if validate else _checks.ple_conv_meta
+    check = _checks.ple_conv_call if _checks.validating(validate) else _checks.ple_conv_meta
     check(inputs, residual, conv_state, conv_weights, state_indices, mode=mode, dilation=dilation,
           query_start_loc=query_start_loc, has_initial_states=has_initial_states,
           num_accepted_tokens=num_accepted_tokens, spec_query_len=spec_query_len,
@@ -277,7 +277,7 @@ def export_conv_checkpoints(inputs: torch.Tensor, conv_state: torch.Tensor, *,
         >>> export_conv_checkpoints(torch.randn(10, 4), conv_state, query_start_loc=torch.tensor([0, 10]),
         ...     offsets=torch.tensor([8]), slots=torch.tensor([2]), state_len=6)    # slot 2 <- rows 2..7
     """
-    check = _checks.export_call if validate else _checks.export_meta
+    check = _checks.export_call if _checks.validating(validate) else _checks.export_meta
     check(inputs, conv_state, query_start_loc=query_start_loc, offsets=offsets, slots=slots,
           state_len=state_len, token_indices=token_indices, null_slot=null_slot)
     S = state_len

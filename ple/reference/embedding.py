@@ -47,7 +47,7 @@ def embedding_lookup(weight: torch.Tensor, ids: torch.Tensor, *, validate: bool 
         >>> embedding_lookup(torch.arange(12.0).reshape(6, 2), torch.tensor([[5, 0]]))
         tensor([[10., 11.,  0.,  1.]])
     """
-    (_checks.lookup_call if validate else _checks.lookup_meta)(weight, ids)
+    (_checks.lookup_call if _checks.validating(validate) else _checks.lookup_meta)(weight, ids)
     return _embedding_lookup(weight, ids)
 
 
@@ -92,8 +92,8 @@ def ngram_embedding(weight: torch.Tensor, input_ids: torch.Tensor, params: HashP
         ...                 eos_token_id=2).shape
         torch.Size([2, 24])
     """
-    (_checks.ngram_call if validate else _checks.ngram_meta)(input_ids, params, heads_per_ngram, eos_token_id,
-                                                             query_start_loc, ngram_context, weight=weight)
+    check = _checks.ngram_call if _checks.validating(validate) else _checks.ngram_meta
+    check(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context, weight=weight)
     # The composition, checked once above (with weight=: also that the table holds every hashed row), so the
     # two ops' bodies run unchecked.
     ids = _ngram_ids(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context)

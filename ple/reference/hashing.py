@@ -254,7 +254,7 @@ def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: i
         >>> ngram_ids(torch.tensor([5, 7, 2, 9]), params, heads_per_ngram=3, eos_token_id=2).shape
         torch.Size([4, 6])
     """
-    check = _checks.ngram_call if validate else _checks.ngram_meta
+    check = _checks.ngram_call if _checks.validating(validate) else _checks.ngram_meta
     check(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
     return _ngram_ids(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
 

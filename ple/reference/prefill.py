@@ -101,7 +101,7 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
         >>> out = ple_prefill(torch.randn(T, C), torch.randn(T, H), torch.randn(T, C), *torch.zeros(3, C), 1e-6,
         ...                   torch.randn(C, 4), dilation=3, query_start_loc=torch.tensor([0, 2, 5]))
     """
-    check = _checks.prefill_call if validate else _checks.prefill_meta
+    check = _checks.prefill_call if _checks.validating(validate) else _checks.prefill_meta
     check(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps, conv_weights,
           dilation=dilation, query_start_loc=query_start_loc, keep=keep, conv_state=conv_state,
           state_indices=state_indices, has_initial_states=has_initial_states, token_indices=token_indices,

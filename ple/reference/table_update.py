@@ -81,8 +81,8 @@ def table_update(weight: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor, st
             values in ``[0, 1)``, ``step < 1``.
             Nothing is modified then.
     """
-    (_checks.table_update_call if validate else _checks.table_update_meta)(weight, ids, grad, state, rule, lr,
-                                                                            weight_decay, eps, betas, step)
+    check = _checks.table_update_call if _checks.validating(validate) else _checks.table_update_meta
+    check(weight, ids, grad, state, rule, lr, weight_decay, eps, betas, step)
     k = rule_constants(rule, lr, weight_decay, eps, betas, step)
     D = weight.shape[1]
     ids_list = ids.tolist()

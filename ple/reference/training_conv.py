@@ -63,7 +63,7 @@ def dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: int,
         >>> dilated_causal_conv(x, torch.randn(4, 3), dilation=2, cu_seqlens=torch.tensor([0, 3, 7])).shape
         torch.Size([7, 4])
     """
-    check = _checks.dilated_causal_conv_call if validate else _checks.dilated_causal_conv_meta
+    check = _checks.dilated_causal_conv_call if _checks.validating(validate) else _checks.dilated_causal_conv_meta
     check(x, weight, dilation, cu_seqlens)
     return _dilated_causal_conv(x, weight, dilation, cu_seqlens)
 

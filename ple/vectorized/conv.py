@@ -115,7 +115,7 @@ def ple_conv(inputs: torch.Tensor, residual: torch.Tensor, conv_state: torch.Ten
     (``rows.state_rows``: ``channels_last``, or one slot, column or channel), else by advanced indexing
     (``channels_first``). A state of another dtype than the inputs keeps the raw bits of every column the
     step does not write. ``ple/vectorized/__init__.py`` lists every branch."""
-    check = _checks.ple_conv_call if validate else _checks.ple_conv_meta
+    check = _checks.ple_conv_call if _checks.validating(validate) else _checks.ple_conv_meta
     check(inputs, residual, conv_state, conv_weights, state_indices, mode=mode, dilation=dilation,
           query_start_loc=query_start_loc, has_initial_states=has_initial_states,
           num_accepted_tokens=num_accepted_tokens, spec_query_len=spec_query_len,
@@ -214,7 +214,7 @@ def export_conv_checkpoints(inputs: torch.Tensor, conv_state: torch.Tensor, *,
     columns are gathered from ``inputs`` and written with ``ple_conv``'s fixed-shape write
     (`_write_windows`: as rows where the state has a row view, else by advanced indexing), which leaves
     the bits of every other slot alone. A call with no logical rows returns at once."""
-    check = _checks.export_call if validate else _checks.export_meta
+    check = _checks.export_call if _checks.validating(validate) else _checks.export_meta
     check(inputs, conv_state, query_start_loc=query_start_loc, offsets=offsets, slots=slots,
           state_len=state_len, token_indices=token_indices, null_slot=null_slot)
     num_logical = inputs.shape[0] if token_indices is None else token_indices.numel()

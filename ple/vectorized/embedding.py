@@ -20,7 +20,7 @@ def embedding_lookup(weight: torch.Tensor, ids: torch.Tensor, *, validate: bool 
     """One path: one ``F.embedding`` gather of the ids (as int64), reshaped to ``[T, NH * D]``; its autograd
     is ``F.embedding``'s, a dense ``[rows, D]`` gradient for ``weight``. The checks read the ids on the host
     once (``validate=True``); with ``validate=False`` nothing is read back. Any device and dtype."""
-    (_checks.lookup_call if validate else _checks.lookup_meta)(weight, ids)
+    (_checks.lookup_call if _checks.validating(validate) else _checks.lookup_meta)(weight, ids)
     return _embedding_lookup(weight, ids)
 
 
@@ -39,7 +39,7 @@ def ngram_embedding(weight: torch.Tensor, input_ids: torch.Tensor, params: HashP
     in memory and then gathered with ``F.embedding`` (autograd: its dense gradient). As in those ops, with
     ``validate=False`` nothing is read back to the host."""
     # Checked once, the table's row count included (weight=), then the two ops' bodies run unchecked.
-    (_checks.ngram_call if validate else _checks.ngram_meta)(input_ids, params, heads_per_ngram, eos_token_id,
-                                                             query_start_loc, ngram_context, weight=weight)
+    check = _checks.ngram_call if _checks.validating(validate) else _checks.ngram_meta
+    check(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context, weight=weight)
     ids = _ngram_ids(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
     return _embedding_lookup(weight, ids)

@@ -61,7 +61,7 @@ def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: i
     The checks read the token ids and offsets on the host once (``validate=True``); after them no tensor
     becomes a Python value, so with ``validate=False`` a call makes no device-to-host synchronisation and
     traces under ``torch.compile(fullgraph=True)``. Any device."""
-    check = _checks.ngram_call if validate else _checks.ngram_meta
+    check = _checks.ngram_call if _checks.validating(validate) else _checks.ngram_meta
     check(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
     return _ngram_ids(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
 

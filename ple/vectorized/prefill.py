@@ -53,7 +53,7 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
                  conv_weights, dilation=dilation, query_start_loc=query_start_loc, keep=keep,
                  conv_state=conv_state, state_indices=state_indices, has_initial_states=has_initial_states,
                  token_indices=token_indices, null_slot=null_slot)
-    if validate:
+    if _checks.validating(validate):
         _checks.prefill_values(key, conv_weights, dilation=dilation, query_start_loc=query_start_loc,
                        conv_state=conv_state, state_indices=state_indices, has_initial_states=has_initial_states,
                        token_indices=token_indices, null_slot=null_slot)

@@ -43,8 +43,8 @@ def table_update(weight: torch.Tensor, ids: torch.Tensor, grad: torch.Tensor, st
 
     Most float32 ``[M, D]`` temporaries are buffers kept between eager calls (grown, never shrunk: the
     largest step's stay until the process ends); under ``torch.compile`` they are fresh ``torch.empty``."""
-    (_checks.table_update_call if validate else _checks.table_update_meta)(weight, ids, grad, state, rule, lr,
-                                                                            weight_decay, eps, betas, step)
+    check = _checks.table_update_call if _checks.validating(validate) else _checks.table_update_meta
+    check(weight, ids, grad, state, rule, lr, weight_decay, eps, betas, step)
     M, D = grad.shape
     if M == 0:
         return

@@ -191,7 +191,7 @@ def dilated_causal_conv(x: torch.Tensor, weight: torch.Tensor, *, dilation: int,
     order, in the accumulation dtype); gradients are within the tolerance (``_TapSum``'s input gradient
     fuses its multiply-adds). The checks read ``cu_seqlens`` on the host once (``validate=True``); after
     them nothing is read back, forward or backward."""
-    check = _checks.dilated_causal_conv_call if validate else _checks.dilated_causal_conv_meta
+    check = _checks.dilated_causal_conv_call if _checks.validating(validate) else _checks.dilated_causal_conv_meta
     check(x, weight, dilation, cu_seqlens)
     return _conv(x, weight, dilation, cu_seqlens)
 
