@@ -14,20 +14,16 @@ written (a row in a later segment replaces the same row in an earlier one). It c
 body. `write_manifest` writes it to ``manifest.json.tmp``, fsyncs it, renames it over ``manifest.json``
 and fsyncs the directory: the switch from one generation to the next is that one rename.
 
-The *lock* (``overlay.lock``) is held with ``fcntl.flock`` (exclusive for a writer, shared for a reader)
-for as long as a store is open: released at its close, when it is garbage-collected, and by the kernel when
-the process dies. A writer refused says whether the holder is this process, and how to release it.
+The *lock* (``overlay.lock``, `DirLock`) is in ``_overlay_lock``: one writer at a time, readers shared.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import math
 import os
 import re
 import struct
-import weakref
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -36,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ._overlay_lock import LOCK, DirLock
 from .files import dtype_name
 from .mapped import MappedFile, map_view
 from .writer import ST_DTYPES, bytes_of, fsync_dir
@@ -45,7 +42,6 @@ __all__ = ["MANIFEST", "LOCK", "Layout", "Segment", "DirLock", "HashIndex", "wri
            "as_ids", "parse_layout"]
 
 MANIFEST = "manifest.json"
-LOCK = "overlay.lock"
 FORMAT = "ple.overlay"
 VERSION = 1
 _SEGMENT_RE = re.compile(r"seg-\d+\.safetensors")
@@ -408,64 +404,3 @@ def clean_leftovers(directory: Path, keep: set[str]) -> None:
     for p in directory.iterdir():
         if p.name.endswith(".tmp") or (_SEGMENT_RE.fullmatch(p.name) and p.name not in keep):
             p.unlink(missing_ok=True)
-
-
-# ---- the lock ------------------------------------------------------------------------------------------
-_HELD: dict[tuple[int, int], int] = {}
-"""The lock files this process holds (device, inode) and how many times: to tell a user that the holder of an
-overlay is in this process, and how to let it go."""
-
-
-def _unlock(fd: int, key: tuple[int, int]) -> None:
-    """Release a `DirLock`'s ``flock`` (closing its descriptor releases it): at `DirLock.release`, or when the
-    lock is garbage-collected (a store, a table or a layer dropped without being closed)."""
-    n = _HELD.get(key, 0) - 1
-    if n > 0:
-        _HELD[key] = n
-    else:
-        _HELD.pop(key, None)
-    os.close(fd)
-
-
-class DirLock:
-    """``flock`` on ``overlay.lock``: exclusive for a writer, shared for readers, never waiting. Released by
-    `release` or when the lock is garbage-collected, and by the kernel when the process dies."""
-
-    def __init__(self, directory: Path, *, shared: bool) -> None:
-        self.fd = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
-        st = os.fstat(self.fd)
-        key = (st.st_dev, st.st_ino)
-        try:
-            fcntl.flock(self.fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self.fd)
-            self.fd = -1
-            raise RuntimeError(_refusal(directory, key in _HELD)) from None
-        _HELD[key] = _HELD.get(key, 0) + 1
-        self._finalizer: weakref.finalize | None = weakref.finalize(self, _unlock, self.fd, key)
-
-    @classmethod
-    def unlocked(cls, directory: Path) -> DirLock:
-        """No lock: a reader of the last flushed generation while a writer holds the directory."""
-        lock = cls.__new__(cls)
-        lock.fd = -1
-        lock._finalizer = None
-        return lock
-
-    def release(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()                            # once: closing the descriptor releases the flock
-            self._finalizer = None
-        self.fd = -1
-
-
-def _refusal(directory: Path, here: bool) -> str:
-    """The message of a second writer refused: who holds ``directory`` and how to let it go."""
-    if here:
-        return (f"overlay: {directory} is held by this process: a layer loaded with load_layer(..., overlay=...) "
-                f"(or an OverlayStore) still has it open, and an overlay has one writer at a time. Release it with "
-                f"layer.table.close() (store.close(); updates since the last flush are dropped: "
-                f"layer.table.flush() first keeps them); a layer deleted (del layer, and its optimizer) releases "
-                f"it once garbage-collected")
-    return (f"overlay: {directory} is held by another process: an overlay has one writer at a time; close it there "
-            f"(layer.table.close()) or end that process (its lock goes with it)")

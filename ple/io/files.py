@@ -41,7 +41,9 @@ __all__ = ["TensorInfo", "Checkpoint", "Entry", "write_file", "write_files", "IN
            "ST_DTYPES", "dtype_name", "human_bytes"]
 
 if TYPE_CHECKING:
-    from typing import TypeAlias
+    from typing import Literal, TypeAlias, TypedDict
+
+    from torch.types import Device
 
     from ..config import PLEConfig
     from ..quant import Scheme
@@ -54,6 +56,22 @@ if TYPE_CHECKING:
     ConfigSource: TypeAlias = "PLEConfig | dict[str, Any] | str | os.PathLike[str] | None"
     # What ``table_dtype=`` takes: None (keep), a float dtype, a `Scheme`, or a name in ``save.TABLE_DTYPES``.
     TableDtype: TypeAlias = "torch.dtype | Scheme | str | None"
+    # What ``offload=`` takes: False (the table on ``device``), True / "host" (host memory), "disk" (its files).
+    Offload: TypeAlias = "bool | Literal['host', 'disk']"
+
+    class LoadOptions(TypedDict, total=False):
+        """``load_layer``'s keyword arguments but ``return_report``, for its overloads (the defaults: its own)."""
+
+        prefix: str | None
+        backend: str
+        device: Device
+        dtype: torch.dtype | None
+        offload: Offload
+        cache_bytes: int | None
+        block_bytes: int
+        overlay: str | os.PathLike[str] | None
+        overlay_bytes: int | None
+        overlay_dtype: torch.dtype | None
 
 _INDEX_SUFFIX = ".safetensors.index.json"
 

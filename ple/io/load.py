@@ -44,29 +44,10 @@ from .layout import (
 )
 
 if TYPE_CHECKING:
-    from typing import TypeAlias, TypedDict
-
     from torch.types import Device
     from typing_extensions import Unpack
 
-    from .files import CheckpointSource, ConfigSource
-
-    # What ``offload=`` takes: False (the table on ``device``), True / "host" (host memory), "disk" (its files).
-    Offload: TypeAlias = "bool | Literal['host', 'disk']"
-
-    class _LoadOptions(TypedDict, total=False):
-        """`load_layer`'s keyword arguments but ``return_report``, for its overloads (the defaults: its own)."""
-
-        prefix: str | None
-        backend: str
-        device: Device
-        dtype: torch.dtype | None
-        offload: Offload
-        cache_bytes: int | None
-        block_bytes: int
-        overlay: str | os.PathLike[str] | None
-        overlay_bytes: int | None
-        overlay_dtype: torch.dtype | None
+    from .files import CheckpointSource, ConfigSource, LoadOptions, Offload
 
 __all__ = ["LoadReport", "load_layer", "load_layers", "resolve_config", "select_prefix", "identify_index",
            "read_table", "read_table_rows", "table_blocks", "CONFIG_METADATA_KEY", "BLOCK_BYTES"]
@@ -335,10 +316,10 @@ def _state_dict(ckpt: Checkpoint, plan: LayerPlan, *, device: torch.device, dtyp
 
 @overload
 def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_index: int = 0, *,
-               return_report: Literal[False] = False, **options: Unpack[_LoadOptions]) -> PLELayer: ...
+               return_report: Literal[False] = False, **options: Unpack[LoadOptions]) -> PLELayer: ...
 @overload
 def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_index: int = 0, *,
-               return_report: Literal[True], **options: Unpack[_LoadOptions]) -> tuple[PLELayer, LoadReport]: ...
+               return_report: Literal[True], **options: Unpack[LoadOptions]) -> tuple[PLELayer, LoadReport]: ...
 def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_index: int = 0, *,
                prefix: str | None = None, backend: str = "reference", device: Device = None,
                dtype: torch.dtype | None = None, offload: Offload = False, cache_bytes: int | None = None,
