@@ -12,7 +12,12 @@ property               symbol  meaning
 ``conv_dilation``      d       conv dilation, equal to ``ngram_size``
 ``conv_state_len``     S       ``(ple_conv_kernel_size - 1) * d``, conv history
 ``context_len``        N-1     tokens of n-gram context carried between chunks
+``token_vocab_size``   V'      ids after ``token_map`` (Engram family; else V)
 =====================  ======  ====================================================
+
+Two families share these fields (``family``): ``"qwen4exp"``, the model's own layer, and ``"engram"``,
+DeepSeek's Engram module (`PLEConfig.engram`, docs/engram.md): the same ops read the family's
+differences (hash parameters, the window rule, the token map, biases, the norms' form and eps) as data.
 """
 
 from __future__ import annotations
@@ -21,12 +26,18 @@ import dataclasses
 import json
 import numbers
 import os
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any, cast
+
+import torch
 
 from ._checks.args import choice_arg, float_arg, int_arg
 
-__all__ = ["PLEConfig", "PRESETS"]
+__all__ = ["PLEConfig", "PRESETS", "FAMILIES"]
+
+FAMILIES = ("qwen4exp", "engram")
+"""The layer families a `PLEConfig` describes (docs/spec.md sections 1 and 15)."""
 
 
 def _is_int(value: Any) -> bool:
@@ -70,10 +81,21 @@ class PLEConfig:
     rms_norm_eps: float = 1e-6
     """Epsilon of the three grouped RMS norms."""
     ple_layer_ids: tuple[int, ...] = ()
-    """1-based decoder layers that carry a PLE layer. Empty (the default, as in transformers when the key is
-    missing or null): the model has no PLE layer, and building a layer or a cache from the config is an error."""
+    """1-based decoder layers that carry a PLE layer (the Engram family: the demo's 0-based ``layer_ids``).
+    Empty (the default, as in transformers when the key is missing or null): the model has no PLE layer, and
+    building a layer or a cache from the config is an error."""
     split_ngram_parts: int = 512
     """How many shards the checkpoint splits the table into."""
+    family: str = "qwen4exp"
+    """``"qwen4exp"`` (the model's layer) or ``"engram"`` (DeepSeek's Engram module; build it with
+    `PLEConfig.engram`). In the Engram family ``eos_token_id`` holds the demo's ``pad_id`` (the token positions
+    before a sequence read; no EOS rule), ``ple_layer_ids`` its ``layer_ids`` (0 allowed), ``rms_norm_eps`` the
+    conv norms' eps (1e-5) and the table is not padded (``make_ngram_vocab_size_divisible_by`` 1)."""
+    engram_vocab_size: tuple[int, ...] = ()
+    """Engram family: one head-size start per order 2..N (the demo's ``engram_vocab_size``); else empty."""
+    token_map: tuple[int, ...] | None = field(default=None, repr=False)
+    """Engram family: the demo's compressed tokenizer as a lookup, one id in ``[0, V')`` per token id (None: the
+    identity). Token ids, contexts and the pad go through it before hashing."""
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -92,8 +114,11 @@ class PLEConfig:
             ids = (ids,)
         if not isinstance(ids, (list, tuple)) or not all(_is_int(i) for i in ids):
             raise TypeError(f"ple_layer_ids: expected an int or a list of ints, got {self.ple_layer_ids!r}")
-        if any(i < 1 for i in ids):
-            raise ValueError(f"ple_layer_ids: expected a list of 1-based layer ids, got {list(ids)}")
+        set_(self, "family", choice_arg("family", self.family, FAMILIES))
+        engram = self.family == "engram"
+        if any(i < (0 if engram else 1) for i in ids):      # the Engram demo numbers layers from 0
+            raise ValueError(f"ple_layer_ids: expected a list of {'0' if engram else '1'}-based layer ids, "
+                             f"got {list(ids)}")
         set_(self, "ple_layer_ids", tuple(sorted({int(i) for i in ids})))
 
         positive = (
@@ -112,6 +137,7 @@ class PLEConfig:
                 f"eos_token_id: expected an int in [0, vocab_size={self.vocab_size}), got {self.eos_token_id!r}"
             )
         set_(self, "rms_norm_eps", float_arg("rms_norm_eps", self.rms_norm_eps, above=0, finite=True))
+        self._check_family()
         embed_dim = cast(int, self.ple_embed_dim)       # set above when None
         if self.ple_layer_ids and embed_dim % self.num_ngram_heads != 0:   # as transformers: with PLE
             raise ValueError(
@@ -119,7 +145,71 @@ class PLEConfig:
                 f"(ngram_size - 1) * heads_per_ngram = {self.num_ngram_heads}, got {self.ple_embed_dim}"
             )
 
+    def _check_family(self) -> None:
+        """The Engram family's own fields (``engram_vocab_size``, ``token_map``), stored as tuples of ints; in the
+        Qwen4Exp family they must be left empty."""
+        set_ = object.__setattr__
+        sizes: Any = self.engram_vocab_size
+        tmap: Any = self.token_map
+        if self.family != "engram":
+            if sizes not in ((), []):
+                raise ValueError(f"engram_vocab_size: only the Engram family has it (family={self.family!r})")
+            if tmap is not None:
+                raise ValueError(f"token_map: only the Engram family has it (family={self.family!r})")
+            set_(self, "engram_vocab_size", ())
+            return
+        if not isinstance(sizes, Sequence) or isinstance(sizes, str) or not all(_is_int(v) for v in sizes):
+            raise TypeError(f"engram_vocab_size: expected a list of ints, got {type(sizes).__name__}")
+        if len(sizes) != self.ngram_size - 1 or any(v < 2 for v in sizes):
+            raise ValueError(f"engram_vocab_size: expected {self.ngram_size - 1} sizes >= 2 (one per order "
+                             f"2..{self.ngram_size}), got {list(sizes)}")
+        set_(self, "engram_vocab_size", tuple(int(v) for v in sizes))
+        if self.make_ngram_vocab_size_divisible_by != 1:
+            raise ValueError("make_ngram_vocab_size_divisible_by: the Engram family's table is not padded (1), "
+                             f"got {self.make_ngram_vocab_size_divisible_by}")
+        if tmap is None:
+            return
+        if isinstance(tmap, torch.Tensor):
+            if tmap.dtype.is_floating_point or tmap.dtype.is_complex or tmap.dtype == torch.bool:
+                raise TypeError(f"token_map: expected an integer tensor or a list of ints, got {tmap.dtype}")
+            tmap = tmap.detach().cpu().reshape(-1).tolist()
+        elif hasattr(tmap, "tolist") and hasattr(tmap, "dtype"):          # a numpy array
+            if tmap.dtype.kind not in "iu":
+                raise TypeError(f"token_map: expected an integer array or a list of ints, got {tmap.dtype}")
+            tmap = tmap.reshape(-1).tolist()
+        if not isinstance(tmap, Sequence) or isinstance(tmap, str) or not all(_is_int(v) for v in tmap):
+            raise TypeError(f"token_map: expected a list of ints, one per token id, got {type(tmap).__name__}")
+        if len(tmap) != self.vocab_size:
+            raise ValueError(f"token_map: expected one entry per token id (vocab_size={self.vocab_size}), "
+                             f"got {len(tmap)}")
+        if len(tmap) and min(tmap) < 0:
+            raise ValueError(f"token_map: expected ids >= 0, got {min(tmap)}")
+        set_(self, "token_map", tuple(int(v) for v in tmap))
+
     # ---- derived sizes -------------------------------------------------------------------------
+    @property
+    def pad_id(self) -> int | None:
+        """Engram family: the demo's ``pad_id`` (kept in ``eos_token_id``); None for the Qwen4Exp family."""
+        return self.eos_token_id if self.family == "engram" else None
+
+    @property
+    def token_vocab_size(self) -> int:
+        """V': the ids hashed after ``token_map`` (its max + 1); V when there is no map."""
+        return self.vocab_size if self.token_map is None else max(self.token_map, default=-1) + 1
+
+    def gate_eps(self, dtype: torch.dtype) -> float:
+        """The key and query norms' eps for activations of ``dtype``: ``rms_norm_eps`` (Qwen4Exp); the Engram
+        family's ``nn.RMSNorm`` default, ``torch.finfo(dtype).eps``."""
+        return torch.finfo(dtype).eps if self.family == "engram" else self.rms_norm_eps
+
+    def gate_options(self) -> dict[str, Any]:
+        """The keyword arguments of ``ple_gate`` / ``ple_prefill`` that carry the family's norms: none for
+        Qwen4Exp (so ops with the plain section-7 signature run it), ``conv_eps`` (``rms_norm_eps``) and
+        ``unit_offset=False`` (scale ``w``, not ``1 + w``) for Engram."""
+        if self.family == "engram":
+            return {"conv_eps": self.rms_norm_eps, "unit_offset": False}
+        return {}
+
     @property
     def num_ngram_heads(self) -> int:
         """NH = (N - 1) * P."""
@@ -187,9 +277,62 @@ class PLEConfig:
         choice_arg("name", name, sorted(PRESETS))
         return dataclasses.replace(PRESETS[name], **overrides)
 
+    @classmethod
+    def engram(cls, *, vocab_size: int, hidden_size: int, hc_count: int, engram_vocab_size: Sequence[int],
+               max_ngram_size: int = 3, n_embed_per_ngram: int = 512, n_head_per_ngram: int = 8,
+               layer_ids: Sequence[int] = (1, 15), pad_id: int = 2, seed: int = 0, kernel_size: int = 4,
+               token_map: Any = None) -> PLEConfig:
+        """The config of DeepSeek's Engram module (its demo's field names; ``hc_count`` is its ``hc_mult``).
+
+        N = ``max_ngram_size``, P = ``n_head_per_ngram``, D = ``n_embed_per_ngram / P``,
+        E = ``(N - 1) * n_embed_per_ngram``, K = ``kernel_size``, d = N, M = ``hc_count``, H = ``hidden_size``;
+        ``layer_ids`` become ``ple_layer_ids`` (the PLE index is the position in the sorted list),
+        ``pad_id`` ``eos_token_id``; ``token_map`` (the compressed tokenizer as a lookup, a tensor, array or list
+        of ``vocab_size`` ids; ``ple.integrations.engram.token_map``) is stored as a tuple of ints. Bad values
+        are a ``ValueError`` (a wrong type a ``TypeError``) naming the demo's field.
+        """
+        n_embed = int_arg("n_embed_per_ngram", n_embed_per_ngram, minimum=1)
+        heads = int_arg("n_head_per_ngram", n_head_per_ngram, minimum=1)
+        if n_embed % heads:
+            raise ValueError(f"n_embed_per_ngram: must be divisible by n_head_per_ngram={heads}, got {n_embed}")
+        order = int_arg("max_ngram_size", max_ngram_size, minimum=2)
+        int_arg("kernel_size", kernel_size, minimum=1)
+        vocab = int_arg("vocab_size", vocab_size, minimum=1)
+        pad = int_arg("pad_id", pad_id)
+        if not 0 <= pad < vocab:
+            raise ValueError(f"pad_id: expected an int in [0, vocab_size={vocab}), got {pad}")
+        if isinstance(layer_ids, (str, bytes)) or not isinstance(layer_ids, Sequence):
+            raise TypeError(f"layer_ids: expected a list of ints, got {type(layer_ids).__name__}")
+        if not layer_ids:
+            raise ValueError("layer_ids: expected at least one layer id, got []")
+        if all(isinstance(i, numbers.Integral) for i in layer_ids) and list(layer_ids) != sorted(set(layer_ids)):
+            raise ValueError(f"layer_ids: expected increasing layer ids (the demo hands out head sizes in the "
+                             f"order given, ple in sorted order), got {list(layer_ids)}")
+        try:
+            return cls(vocab_size=vocab, hidden_size=hidden_size, hc_count=hc_count,
+                       ple_embed_dim=(order - 1) * n_embed, ple_conv_kernel_size=kernel_size, ngram_size=order,
+                       heads_per_ngram=heads, make_ngram_vocab_size_divisible_by=1, seed=seed,
+                       eos_token_id=pad, rms_norm_eps=1e-5, ple_layer_ids=tuple(layer_ids), family="engram",
+                       engram_vocab_size=cast(Any, engram_vocab_size), token_map=token_map)
+        except (TypeError, ValueError) as err:   # name the demo's field where ours differs
+            msg = str(err)
+            for ours, theirs in (("ple_layer_ids", "layer_ids"), ("ple_conv_kernel_size", "kernel_size"),
+                                 ("ngram_size", "max_ngram_size"), ("eos_token_id", "pad_id")):
+                if msg.startswith(ours + ":"):
+                    raise type(err)(theirs + msg[len(ours):]) from None
+            raise
+
     def to_dict(self) -> dict[str, Any]:
+        """The fields as a JSON-ready dict (``from_dict`` reads it back). A Qwen4Exp config writes the model's own
+        keys only; an Engram config adds ``family``, ``engram_vocab_size`` and ``token_map``."""
         d = dataclasses.asdict(self)
         d["ple_layer_ids"] = list(self.ple_layer_ids)
+        if self.family == "qwen4exp":
+            for key in ("family", "engram_vocab_size", "token_map"):
+                del d[key]
+        else:
+            d["engram_vocab_size"] = list(self.engram_vocab_size)
+            d["token_map"] = None if self.token_map is None else list(self.token_map)
         return d
 
     def replace(self, **changes: Any) -> PLEConfig:
@@ -213,3 +356,9 @@ PRESETS: dict[str, PLEConfig] = {
         ple_layer_ids=(2,), split_ngram_parts=128,
     ),
 }
+# DeepSeek's Engram demo (engram_demo_v1.py: EngramConfig and BackBoneConfig's defaults), without its
+# tokenizer's map (pass token_map=ple.integrations.engram.token_map(tokenizer) to add it).
+PRESETS["engram-demo"] = PLEConfig.engram(
+    vocab_size=129280, hidden_size=1024, hc_count=4, engram_vocab_size=(129280 * 5, 129280 * 5),
+    max_ngram_size=3, n_embed_per_ngram=512, n_head_per_ngram=8, layer_ids=(1, 15), pad_id=2, seed=0,
+    kernel_size=4)

@@ -82,9 +82,9 @@ def _gate_stats(layer: PLELayer, hidden: torch.Tensor, ids: torch.Tensor) -> lis
         hid = layer.ops.ngram_ids(ids.reshape(-1), layer.ple_embedding.hash_params(),
                                   heads_per_ngram=cfg.heads_per_ngram, eos_token_id=cfg.eos_token_id,
                                   query_start_loc=query_start_loc)
-        key = torch.nn.functional.linear(layer.embed(hid, hidden.dtype), layer.key_proj.weight)
+        key, _ = layer.project(layer.embed(hid, hidden.dtype))
         g = stream_gates(key, hidden.reshape(B * L, C), layer.norm_key.weight, layer.norm_query.weight,
-                         cfg.hidden_size, cfg.rms_norm_eps)
+                         cfg.hidden_size, cfg.gate_eps(key.dtype), unit_offset=cfg.family != "engram")
     lines = []
     for m in range(cfg.hc_count):
         gm = g[:, m].float()

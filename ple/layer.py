@@ -12,6 +12,11 @@ with ``load_state_dict(strict=True)``::
     norm_key.weight / norm_query.weight / norm_conv.weight   [C]
     conv1d.weight                          [C, 1, K]
 
+An Engram-family config (``PLEConfig.engram``, docs/engram.md) makes DeepSeek's Engram module: the same
+parameters, with biases on both projections, held fused as above (``key_proj`` is the demo's ``key_projs``
+stacked, ``norm_key`` its ``norm1``, ...), while ``state_dict`` and ``load_state_dict`` speak the demo
+module's keys and shapes (`ENGRAM_KEYS`).
+
 The table (``layer.table``, one ``ple.table.Table``) may be quantized
 (``NGramEmbedding.quantize_``, ``ple.quant``: an FP8 or int8 ``weight`` plus
 ``ple_embedding.ngram_embedding.weight_scale``), sharded over ranks (``ple.distributed``)
@@ -38,7 +43,7 @@ from .table import DenseTable, QuantizedTable, Table
 if TYPE_CHECKING:
     from .state import PLECache, StepBatch
 
-__all__ = ["PLELayer", "GroupedRMSNorm", "NGramEmbedding", "Intermediates"]
+__all__ = ["PLELayer", "GroupedRMSNorm", "NGramEmbedding", "Intermediates", "ENGRAM_KEYS"]
 
 
 class Intermediates(NamedTuple):
@@ -63,17 +68,23 @@ class Intermediates(NamedTuple):
 
 
 class GroupedRMSNorm(nn.Module):
-    """Holds the weight of one grouped RMS norm (``[C]``, starts at zero: scale ``1 + w``)."""
+    """Holds the weight of one grouped RMS norm (``[C]``). Qwen4Exp: starts at zero, scale ``1 + w``
+    (``unit_offset``); Engram (``unit_offset=False``): the demo's ``nn.RMSNorm`` weights side by side, starting
+    at one, scale ``w``."""
 
     def __init__(self, channels: int, group_size: int, eps: float, device: torch.device | str | int | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, *, unit_offset: bool = True) -> None:
         super().__init__()
         self.group_size = group_size
         self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(channels, device=device, dtype=dtype))
+        self.unit_offset = unit_offset
+        start = torch.zeros if unit_offset else torch.ones
+        self.weight = nn.Parameter(start(channels, device=device, dtype=dtype))
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, group_size={self.group_size}, eps={self.eps}"
+        eps = "finfo(dtype).eps" if self.eps is None else self.eps
+        scale = "" if self.unit_offset else ", scale=w"
+        return f"{self.weight.shape[0]}, group_size={self.group_size}, eps={eps}{scale}"
 
 
 class NGramEmbedding(nn.Module):
@@ -86,6 +97,7 @@ class NGramEmbedding(nn.Module):
     layer_multipliers: torch.Tensor          # buffers, registered in __init__
     ngram_heads_vocab_sizes: torch.Tensor
     ngram_heads_offsets: torch.Tensor
+    token_map: torch.Tensor | None           # not saved: the config's (Engram family), or None
     ngram_embedding: Table
 
     def __init__(self, config: PLEConfig, ple_layer_index: int, device: torch.device | str | int | None = None,
@@ -104,12 +116,16 @@ class NGramEmbedding(nn.Module):
         self.register_buffer("layer_multipliers", params.multipliers.to(device))
         self.register_buffer("ngram_heads_vocab_sizes", params.head_sizes.to(device))
         self.register_buffer("ngram_heads_offsets", params.head_offsets.to(device))
+        tmap = None if params.token_map is None else params.token_map.to(device)
+        self.register_buffer("token_map", tmap, persistent=False)      # moves with .to(); the config is its record
         self.vocab_size = config.vocab_size
+        self.eos_rule = params.eos_rule
 
     def hash_params(self) -> HashParams:
-        """The hash parameters as stored in this module's buffers (so loaded buffers are what is used)."""
+        """The hash parameters as stored in this module's buffers (so loaded buffers are what is used), with the
+        family's window rule and token map."""
         return HashParams(self.layer_multipliers, self.ngram_heads_vocab_sizes, self.ngram_heads_offsets,
-                          self.ngram_embedding.num_rows, self.vocab_size)
+                          self.ngram_embedding.num_rows, self.vocab_size, self.token_map, self.eos_rule)
 
     def quantize_(self, scheme: str) -> None:
         """Replace the float table by its quantization, in place: ``"fp8"``, ``"int8"`` or ``"nf4"`` (``ple.quant``).
@@ -162,7 +178,9 @@ class PLELayer(nn.Module):
     be swapped out.
 
     Initialisation follows the model: the table is normal(0, 1), the projections
-    use ``nn.Linear``'s default, the three norms and the conv start at zero.
+    use ``nn.Linear``'s default, the three norms and the conv start at zero. An Engram-family config
+    starts as the demo module does: the table normal(0, 1), the projections and their biases
+    ``nn.Linear``'s default, the norms at one, the conv ``nn.Conv1d``'s default.
     """
 
     _custom_ops: CustomOps | None
@@ -187,13 +205,19 @@ class PLELayer(nn.Module):
         kw: dict[str, Any] = dict(device=device, dtype=dtype)
         self.ple_embedding = NGramEmbedding(config, ple_layer_index, **kw, table=table,
                                             sparse_grad=sparse_table_grad)
-        self.key_proj = nn.Linear(E, C, bias=False, **kw)
-        self.value_proj = nn.Linear(E, H, bias=False, **kw)
-        self.norm_key = GroupedRMSNorm(C, H, config.rms_norm_eps, **kw)
-        self.norm_query = GroupedRMSNorm(C, H, config.rms_norm_eps, **kw)
-        self.norm_conv = GroupedRMSNorm(C, H, config.rms_norm_eps, **kw)
+        engram = config.family == "engram"
+        self.key_proj = nn.Linear(E, C, bias=engram, **kw)
+        self.value_proj = nn.Linear(E, H, bias=engram, **kw)
+        norm_eps = None if engram else config.rms_norm_eps          # Engram's key / query eps follows the dtype
+        self.norm_key = GroupedRMSNorm(C, H, norm_eps, **kw, unit_offset=not engram)   # type: ignore[arg-type]
+        self.norm_query = GroupedRMSNorm(C, H, norm_eps, **kw, unit_offset=not engram)  # type: ignore[arg-type]
+        self.norm_conv = GroupedRMSNorm(C, H, config.rms_norm_eps, **kw, unit_offset=not engram)
         self.conv1d = nn.Conv1d(C, C, K, groups=C, dilation=config.conv_dilation, bias=False, **kw)
-        nn.init.zeros_(self.conv1d.weight)
+        if not engram:
+            nn.init.zeros_(self.conv1d.weight)
+        else:
+            self.register_state_dict_post_hook(_to_engram_keys)
+            self.register_load_state_dict_pre_hook(_from_engram_keys)
         self.set_backend(backend)
         if ops is not None:
             self._custom_ops = CustomOps(ops)
@@ -296,16 +320,19 @@ class PLELayer(nn.Module):
         result (its gate reads them through their strides): the embeddings are read once and
         one GEMM is launched instead of two.
         """
+        kb, vb = self.key_proj.bias, self.value_proj.bias                 # the Engram family's; else None
         if not traits(self.ops).fused_kv_projection:
-            return F.linear(embeddings, self.key_proj.weight), F.linear(embeddings, self.value_proj.weight)
-        kv = F.linear(embeddings, self.kv_weight())                 # [T, C + H], key columns first
+            return F.linear(embeddings, self.key_proj.weight, kb), F.linear(embeddings, self.value_proj.weight, vb)
+        bias = None if kb is None or vb is None else torch.cat([kb, vb])
+        kv = F.linear(embeddings, self.kv_weight(), bias)           # [T, C + H], key columns first
         C = self.config.hc_hidden_size
         return kv[:, :C], kv[:, C:]
 
     def kv_weight(self) -> torch.Tensor:
         """``cat([key_proj.weight, value_proj.weight])``, ``[C + H, E]`` (key rows first).
 
-        The parameters keep their names (``state_dict`` is unchanged). Where autograd records
+        The parameters keep their names (``state_dict`` is unchanged; an Engram-family layer's speaks the demo's
+        keys, `ENGRAM_KEYS`). Where autograd records
         (a weight requires grad and grad mode is on) or under ``torch.compile`` the
         concatenation is made in the graph on every call; otherwise it is cached and rebuilt
         only when either weight's storage or version counter changes (``load_state_dict``,
@@ -326,8 +353,14 @@ class PLELayer(nn.Module):
     def gate(self, embeddings: torch.Tensor, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Project ``[T, E]`` embeddings to key and value (`project`) and gate them: ``(gated, conv_input)``."""
         key, value = self.project(embeddings)
-        return self.ops.ple_gate(key, value, hidden_states, self.norm_key.weight, self.norm_query.weight,
-                                  self.norm_conv.weight, self.config.rms_norm_eps)
+        return self.ops.ple_gate(key, value, hidden_states, *self.norm_weights, self.config.gate_eps(key.dtype),
+                                 **self.config.gate_options())
+
+    @property
+    def norm_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(norm_key.weight, norm_query.weight, norm_conv.weight)``, the gate ops' three norm weights. Their eps
+        is ``config.gate_eps(dtype)`` and the family's form ``config.gate_options()`` (``ple.config``)."""
+        return self.norm_key.weight, self.norm_query.weight, self.norm_conv.weight
 
     @property
     def conv_weights(self) -> torch.Tensor:
@@ -346,8 +379,11 @@ class PLELayer(nn.Module):
 
         Every row is a whole sequence from its start. ``input_ids`` is int32 or int64;
         ``attention_mask`` is bool, integer or float (non-zero keeps). Where it is 0 the
-        token hashes as EOS and its gated value and conv input are zeroed before the
-        convolution (so left or right padding does not leak into real tokens).
+        token hashes as EOS (the Engram family: as its ``pad_id``) and its gated value and conv input are
+        zeroed before the convolution (so left or right padding does not leak into real tokens).
+
+        An Engram-family layer returns ``hidden_states + engram(hidden_states.view(B, L, M, H),
+        input_ids).view(B, L, C)``, the demo's block.
 
         On every backend the gate, the mask, the conv and both adds are one op, ``ple_prefill``
         (``ple.fast`` runs it as one kernel); with ``return_intermediates`` they run op by op
@@ -377,18 +413,19 @@ class PLELayer(nn.Module):
             emb = self.hashed_rows(input_ids.reshape(B * L), hidden_states.dtype, query_start_loc=query_start_loc,
                                    validate=check_values)
             key, value = self.project(emb)
-            out = self.ops.ple_prefill(key, value, flat, self.norm_key.weight, self.norm_query.weight,
-                                       self.norm_conv.weight, self.config.rms_norm_eps, self.conv_weights,
-                                       dilation=self.config.conv_dilation, query_start_loc=query_start_loc,
-                                       keep=None if keep is None else keep.reshape(B * L), validate=False)
+            out = self.ops.ple_prefill(key, value, flat, *self.norm_weights, self.config.gate_eps(flat.dtype),
+                                       self.conv_weights, dilation=self.config.conv_dilation,
+                                       query_start_loc=query_start_loc,
+                                       keep=None if keep is None else keep.reshape(B * L), validate=False,
+                                       **self.config.gate_options())
             return out.reshape(B, L, C)
         ids = self.ops.ngram_ids(input_ids.reshape(B * L), self.ple_embedding.hash_params(),
                                  heads_per_ngram=self.config.heads_per_ngram, eos_token_id=eos,
                                  query_start_loc=query_start_loc, validate=check_values)
         emb = self.embed(ids, hidden_states.dtype, validate=False)   # [B*L, E]; ids of our own hash
         key, value = self.project(emb)
-        gated, conv_input = self.ops.ple_gate(key, value, flat, self.norm_key.weight, self.norm_query.weight,
-                                              self.norm_conv.weight, self.config.rms_norm_eps)
+        gated, conv_input = self.ops.ple_gate(key, value, flat, *self.norm_weights, self.config.gate_eps(flat.dtype),
+                                              **self.config.gate_options())
         if keep is not None:
             mask = keep.reshape(B * L, 1).to(gated.dtype)
             gated, conv_input = gated * mask, conv_input * mask
@@ -398,7 +435,8 @@ class PLELayer(nn.Module):
         from .reference.gate import stream_scores
         cfg = self.config
         scores, gates = stream_scores(key, hidden_states.reshape(B * L, C), self.norm_key.weight,
-                                      self.norm_query.weight, cfg.hidden_size, cfg.rms_norm_eps)
+                                      self.norm_query.weight, cfg.hidden_size, cfg.gate_eps(key.dtype),
+                                      unit_offset=cfg.family != "engram")
         rows = lambda t: t.reshape(B, L, *t.shape[1:])  # noqa: E731
         return Intermediates(rows(ids), rows(emb), rows(key), rows(value), rows(scores), rows(gates), rows(gated),
                              rows(conv_input), y, out)
@@ -431,3 +469,85 @@ class PLELayer(nn.Module):
         c = self.config
         return (f"ple_layer_index={self.ple_layer_index}, backend={self.backend!r}, C={c.hc_hidden_size}, "
                 f"E={c.ple_embed_dim}, NH={c.num_ngram_heads}, K={c.ple_conv_kernel_size}, d={c.conv_dilation}")
+
+
+# ---- the Engram family's state-dict keys (docs/engram.md) --------------------------------------------------------
+ENGRAM_KEYS: dict[str, str] = {
+    "ple_embedding.ngram_heads_offsets": "multi_head_embedding.offsets",
+    "ple_embedding.ngram_embedding.": "multi_head_embedding.embedding.",     # weight (and a quantized table's scale)
+    "conv1d.weight": "short_conv.conv.weight",
+    "norm_conv.weight": "short_conv.norms.{m}.weight",
+    "value_proj.weight": "value_proj.weight",
+    "value_proj.bias": "value_proj.bias",
+    "key_proj.weight": "key_projs.{m}.weight",
+    "key_proj.bias": "key_projs.{m}.bias",
+    "norm_key.weight": "norm1.{m}.weight",
+    "norm_query.weight": "norm2.{m}.weight",
+}
+"""An Engram-family `PLELayer`'s parameter (left) and the demo module's key it is saved under (right), in the
+demo's order; ``{m}`` keys hold stream m's rows ``[m * H, (m + 1) * H)`` of the fused parameter. The hash
+multipliers and head sizes are not saved (the demo derives them from its config, as the layer does)."""
+
+_DERIVED = ("ple_embedding.layer_multipliers", "ple_embedding.ngram_heads_vocab_sizes")
+
+
+def _to_engram_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: object) -> None:
+    """``state_dict`` post-hook of an Engram-family layer: ple's keys become the demo module's (`ENGRAM_KEYS`)."""
+    layer = cast(PLELayer, module)
+    M, H = layer.config.hc_count, layer.config.hidden_size
+    mine = {k[len(prefix):]: state_dict.pop(k) for k in list(state_dict) if k.startswith(prefix)}
+    streams: dict[str, list[tuple[str, torch.Tensor]]] = {}              # a ModuleList's keys: stream by stream
+    for ours, theirs in ENGRAM_KEYS.items():
+        if ours.endswith("."):                                             # every entry of the table
+            for k in [k for k in mine if k.startswith(ours)]:
+                state_dict[prefix + theirs + k[len(ours):]] = mine.pop(k)
+        elif "{m}" in theirs:
+            whole = mine.pop(ours)
+            group = streams.setdefault(theirs.split(".{m}.")[0], [])
+            # each stream its own tensor (safetensors refuses tensors sharing memory); keep_vars: views of the parameter
+            group += [(theirs.format(m=m), whole[m * H:(m + 1) * H] if whole.requires_grad
+                       else whole[m * H:(m + 1) * H].clone()) for m in range(M)]
+        else:
+            state_dict[prefix + theirs] = mine.pop(ours)
+        if "{m}" in theirs and ours != "key_proj.weight":                # key_projs: weight and bias of each stream
+            for name, part in sorted(streams.pop(theirs.split(".{m}.")[0]),
+                                     key=lambda kv: int(kv[0].split(".")[-2])):
+                state_dict[prefix + name] = part
+    for k in _DERIVED:
+        mine.pop(k, None)
+    state_dict.update({prefix + k: v for k, v in mine.items()})            # anything else, as it was
+
+
+def _from_engram_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: object,
+                      strict: bool, missing_keys: list[str], unexpected_keys: list[str],
+                      error_msgs: list[str]) -> None:
+    """``load_state_dict`` pre-hook of an Engram-family layer: the demo module's keys become ple's. Missing
+    stream keys are left missing (the loader reports them); the demo's offsets must be this config's."""
+    layer = cast(PLELayer, module)
+    M = layer.config.hc_count
+    for ours, theirs in ENGRAM_KEYS.items():
+        if ours.endswith("."):
+            for k in [k for k in state_dict if k.startswith(prefix + theirs)]:
+                state_dict[prefix + ours + k[len(prefix + theirs):]] = state_dict.pop(k)
+        elif "{m}" in theirs:
+            keys = [prefix + theirs.format(m=m) for m in range(M)]
+            if all(k in state_dict for k in keys):
+                state_dict[prefix + ours] = torch.cat([state_dict.pop(k) for k in keys])
+        elif prefix + theirs in state_dict and theirs != ours:
+            state_dict[prefix + ours] = state_dict.pop(prefix + theirs)
+    offsets_key = prefix + "ple_embedding.ngram_heads_offsets"
+    own = layer.ple_embedding.ngram_heads_offsets
+    got = state_dict.get(offsets_key)
+    known = isinstance(got, torch.Tensor) and "meta" not in (got.device.type, own.device.type)   # values to compare
+    if known and got is not None and (got.shape != own.shape or not torch.equal(got.cpu(), own.cpu())):
+        raise ValueError(f"state_dict: {prefix}multi_head_embedding.offsets {got.tolist()} differ from this config's "
+                         f"{own.tolist()} (another engram_vocab_size, n_head_per_ngram or layer_ids?)")
+    for k in _DERIVED:                                                     # derived from the config, as the demo does
+        state_dict.setdefault(prefix + k, _buffer(layer, k))
+
+
+def _buffer(layer: PLELayer, key: str) -> torch.Tensor:
+    owner: Any = layer
+    for part in key.split("."):
+        owner = getattr(owner, part)
+    return cast(torch.Tensor, owner)

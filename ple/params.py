@@ -28,6 +28,12 @@ class HashParams:
     ``vocab_size`` is V. Built by hand, any multipliers are accepted: products that overflow wrap
     modulo ``2**64`` and the floor remainder keeps each head's rows in its range (docs/spec.md section 3),
     on every backend.
+
+    The family's window (docs/spec.md sections 3 and 15) is data here too: ``token_map`` (int64 or int32
+    ``[V]`` on any device, moved to the ids' as the multipliers are; or None for the identity) maps every token
+    id, context id and the boundary token before hashing; ``eos_rule`` True (Qwen4Exp) cuts windows at an EOS,
+    False (Engram) hashes every token as it is and only fills positions before the sequence with the boundary
+    token (the op's ``eos_token_id`` argument, the Engram config's ``pad_id``).
     """
 
     multipliers: torch.Tensor
@@ -35,6 +41,8 @@ class HashParams:
     head_offsets: torch.Tensor
     num_rows: int
     vocab_size: int
+    token_map: torch.Tensor | None = None
+    eos_rule: bool = True
 
     @property
     def ngram_size(self) -> int:
@@ -44,9 +52,12 @@ class HashParams:
         sizes = self.head_sizes.tolist() if self.head_sizes.device.type != "meta" else "?"
         if isinstance(sizes, list) and len(sizes) > 6:
             sizes = f"[{sizes[0]}, {sizes[1]}, ..., {sizes[-1]}]"
+        family = "" if self.eos_rule and self.token_map is None else (
+            f", eos_rule={self.eos_rule}, token_map={'None' if self.token_map is None else 'a map'}")
         return (f"HashParams(N={self.ngram_size}, {self.head_sizes.numel()} heads of sizes {sizes}, "
-                f"num_rows={self.num_rows}, vocab_size={self.vocab_size})")
+                f"num_rows={self.num_rows}, vocab_size={self.vocab_size}{family})")
 
     def to(self, device: Device) -> HashParams:
+        tmap = None if self.token_map is None else self.token_map.to(device)
         return HashParams(self.multipliers.to(device), self.head_sizes.to(device),
-                          self.head_offsets.to(device), self.num_rows, self.vocab_size)
+                          self.head_offsets.to(device), self.num_rows, self.vocab_size, tmap, self.eos_rule)

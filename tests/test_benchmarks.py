@@ -224,3 +224,17 @@ def test_table_sharding_report_and_its_collectives(monkeypatch, capsys):
     assert len(rows) == 7 and all(row in page for row in rows), rows   # the page's table is this output
     assert report.main(["--measure"]) == 0
     assert capsys.readouterr().out.count("as claimed") == 4
+
+
+def test_bench_engram_smoke(monkeypatch, tmp_path):
+    """``bench_engram.py --smoke``: every case runs, ple's outputs agree with the demo's (else exit 1), CSV rows."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("bench_engram", None)
+    import bench_engram
+
+    out = tmp_path / "engram.csv"
+    assert bench_engram.main(["--smoke", "--no-compile", "--csv", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert {r["variant"] for r in rows} == {"torch", "demo", "gemms"}
+    assert {r["case"].split()[0] for r in rows} == {"forward", "fwd+bwd", "decode"}
+    assert all(float(r["ms"]) > 0 for r in rows)

@@ -85,6 +85,8 @@ CONFIG_INTS = ("vocab_size", "hidden_size", "hc_count", "ple_conv_kernel_size", 
 MISTAKES: list[tuple] = [
     # the ops
     *floats("eps", positive=True),
+    # the gate family's keywords (docs/spec.md section 15): conv_eps None means eps, so None is no mistake
+    *[row for row in floats("conv_eps", positive=True, finite=True) if row[2] is not None], *bools("unit_offset"),
     *bools("validate"),
     *ints("dilation", 1), *ints("null_slot"), *ints("state_len", 1), *ints("group_size", 1),
     *ints("heads_per_ngram", 1), *ints("step", 1), *ints("ple_layer_index", 0),
@@ -125,6 +127,7 @@ MISTAKES: list[tuple] = [
     ("dtypes-int", "dtypes", (torch.int32,), ValueError),
     *bools("grad"), *bools("serving"), ("exact_states-int", "exact_states", 1, TypeError),
     *choices("modes", "prefill", "chunked"), *choices("parts", "forward", "both"),
+    *choices("families", "engram", "deepseek"),
     *choices("rules", "adam", "lion"), *choices("schemes", "nf4", "q4", empty_ok=True),
 ]
 

@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 from ..params import HashParams
 from . import args
-from .args import Host, float_arg, full_check, host_values, index, int_arg, tensor, value_range
+from .args import Host, bool_arg, float_arg, full_check, host_values, index, int_arg, tensor, value_range
 
 
 class NgramCall(NamedTuple):
@@ -31,6 +31,7 @@ def ngram_meta(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc
     if not 0 <= eos_token_id < V:
         raise ValueError(f"eos_token_id: expected an id in [0, {V}), got {eos_token_id}")
     dev = input_ids.device
+    _family_meta(params)
     R = 1 if query_start_loc is None else args.offsets_meta("query_start_loc", query_start_loc, device=dev)
     if ngram_context is not None:
         index("ngram_context", ngram_context, ndim=2, device=dev, shape=(R, N - 1))
@@ -38,12 +39,32 @@ def ngram_meta(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc
         tensor("weight", weight, ndim=2, device=dev)
 
 
+def _family_meta(params: HashParams) -> None:
+    """The family fields of ``params`` (docs/spec.md section 15): ``eos_rule`` a bool; ``token_map`` None or an
+    int32 / int64 ``[V]`` tensor whose values are there (not on the meta device). Like the multipliers, it may
+    live on another device than the ids (``hash_params`` makes CPU tensors): the op copies it to theirs, a copy a
+    layer avoids by keeping it as a buffer on its device."""
+    bool_arg("params.eos_rule", params.eos_rule)
+    if params.token_map is not None:
+        index("params.token_map", params.token_map, ndim=1, shape=(params.vocab_size,))
+
+
 def ngram_values(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context, *,
                  weight=None, host: Host = None) -> NgramCall:
     """Values of ``ngram_ids`` (with ``weight``: also that the table holds every row the hash addresses). Any
     multipliers are accepted: products wrap modulo 2**64 and the floor remainder keeps every row inside its head
-    (docs/spec.md section 3)."""
+    (docs/spec.md section 3). A ``params.token_map`` holds ids ``>= 0`` (any size: the products wrap as above);
+    its minimum is one reduction on its device and one scalar read back (``host["params.token_map"]``: those
+    values instead)."""
     T, V = input_ids.numel(), params.vocab_size
+    tmap = params.token_map
+    if tmap is not None and tmap.numel():
+        if host is not None and "params.token_map" in host:
+            low = int(host_values("params.token_map", tmap, host).min())
+        else:
+            low = int(tmap.min())
+        if low < 0:
+            raise ValueError(f"params.token_map: expected mapped ids >= 0, got {low}")
     query_start_loc_list = ([0, T] if query_start_loc is None
                             else args.offsets_values("query_start_loc", query_start_loc, total=T, host=host))
     if ngram_context is not None:
@@ -86,8 +107,10 @@ class GateCall(NamedTuple):
     group_size: int             # H
 
 
-def gate_call(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps) -> GateCall:
-    """Validate a ``ple_gate`` call: metadata only (the gate reads no index values)."""
+def gate_call(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps, *,
+              conv_eps=None, unit_offset=True) -> GateCall:
+    """Validate a ``ple_gate`` call: metadata only (the gate reads no index values). ``conv_eps`` a positive
+    finite float or None, ``unit_offset`` a bool (the Engram family's options, docs/spec.md section 15)."""
     tensor("key", key, ndim=2, kind="float")
     T, C = key.shape
     dev, dt = key.device, key.dtype
@@ -102,4 +125,7 @@ def gate_call(key, value, hidden_states, norm_key_weight, norm_query_weight, nor
                     ("norm_conv_weight", norm_conv_weight)):
         tensor(name, w, kind="float", device=dev, shape=(C,))
     float_arg("eps", eps, above=0)
+    if conv_eps is not None:
+        float_arg("conv_eps", conv_eps, above=0, finite=True)
+    bool_arg("unit_offset", unit_offset)
     return GateCall(T, C, value.shape[1])

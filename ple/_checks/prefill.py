@@ -12,9 +12,10 @@ _NAMES = ("key", "conv_weights", "query_start_loc")     # dilated_causal_conv's 
 
 def prefill_meta(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
                  conv_weights, *, dilation, query_start_loc, keep, conv_state, state_indices,
-                 has_initial_states, token_indices, null_slot) -> None:
+                 has_initial_states, token_indices, null_slot, conv_eps=None, unit_offset=True) -> None:
     """Metadata checks of a ``ple_prefill`` call (no tensor values are read)."""
-    gate_call(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps)
+    gate_call(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
+              conv_eps=conv_eps, unit_offset=unit_offset)
     T = key.shape[0]
     if keep is not None:
         index("keep", keep, device=key.device, shape=(T,), kind="flag")
@@ -50,12 +51,12 @@ def prefill_values(key, conv_weights, *, dilation, query_start_loc, conv_state, 
 
 def prefill_call(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
                  conv_weights, *, dilation, query_start_loc, keep, conv_state, state_indices, has_initial_states,
-                 token_indices, null_slot) -> None:
+                 token_indices, null_slot, conv_eps=None, unit_offset=True) -> None:
     """Validate a ``ple_prefill`` call: `prefill_meta`, then `prefill_values`."""
     prefill_meta(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps, conv_weights,
                  dilation=dilation, query_start_loc=query_start_loc, keep=keep, conv_state=conv_state,
                  state_indices=state_indices, has_initial_states=has_initial_states, token_indices=token_indices,
-                 null_slot=null_slot)
+                 null_slot=null_slot, conv_eps=conv_eps, unit_offset=unit_offset)
     prefill_values(key, conv_weights, dilation=dilation, query_start_loc=query_start_loc, conv_state=conv_state,
                    state_indices=state_indices, has_initial_states=has_initial_states, token_indices=token_indices,
                    null_slot=null_slot)

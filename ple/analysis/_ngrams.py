@@ -1,11 +1,13 @@
 """The n-grams of a corpus, counted chunk by chunk: what `ple.analysis.stats` is built on.
 
 Every window and every row ``ple.analysis`` computes comes from one function, `_windows_and_rows`, which
-takes the config: the window rule and the hash of the config's family (docs/spec.md sections 2-3), through the
-library's own ops (``ple.reference.hash_params`` and the vectorised hashing of ``ple.vectorized.hashing``). A
-family with another window rule, a token map before hashing or other hash parameters changes that function
-(and `_window_bits`, the range of a window entry, if its entries can reach past V) and nothing else: the
-counting only needs windows that identify n-grams and rows that are a function of the windows.
+takes the config: the window rule and the hash of the config's family (docs/spec.md sections 2-3 and 15), through
+the library's own ops (``ple.reference.hash_params`` and the vectorised hashing of ``ple.vectorized.hashing``).
+Windows hold the tokens' own ids (what a tokenizer decodes), after the family's rule: Qwen4Exp's EOS rule, or
+none (Engram: an EOS or pad inside the text is an ordinary token, positions before a sequence read the pad);
+rows are hashed from the windows after the family's ``token_map`` (`_hashed_windows`). The counting only
+needs windows that identify n-grams and rows that are a function of the windows; `_window_bits` is the range
+of a window entry (and of a mapped one, which a token map may send past V).
 
 The counting (`_Tally`): a corpus is cut into blocks of ``block`` tokens (a sequence split between two blocks
 carries its N-1 previous tokens as the next block's context, so its windows are those of the whole sequence);
@@ -31,7 +33,7 @@ from .. import _checks
 from ..config import PLEConfig
 from ..params import HashParams
 from ..reference import hash_params
-from ..vectorized.hashing import _batch_windows, _window_rows
+from ..vectorized.hashing import _batch_windows, _mapped, _window_rows
 
 _CHUNK_TOKENS = 1 << 21
 """Tokens whose keys are buffered between two merges into the running tables (the default ``chunk``)."""
@@ -65,8 +67,16 @@ def _params(config: PLEConfig, ple_layer_index: int) -> HashParams:
 
 
 def _window_bits(config: PLEConfig) -> int:
-    """Bits of one window entry: window entries lie in ``[0, V)``."""
-    return max(1, (config.vocab_size - 1).bit_length())
+    """Bits of one window entry: window entries lie in ``[0, V)``, and the mapped ones (`_hashed_windows`) in
+    ``[0, V')`` (``config.token_vocab_size``)."""
+    return max(1, (max(config.vocab_size, config.token_vocab_size) - 1).bit_length())
+
+
+def _hashed_windows(config: PLEConfig, ple_layer_index: int, windows: torch.Tensor) -> torch.Tensor:
+    """``windows`` (the tokens' own ids) as the hash reads them: through the family's ``token_map`` (docs/spec.md
+    section 15), or unchanged without one. Two windows the map sends to the same ids are one key of the hash."""
+    tmap = _params(config, ple_layer_index).token_map
+    return windows if tmap is None else _mapped(windows, tmap)
 
 
 def _windows_and_rows(config: PLEConfig, ple_layer_index: int, *, tokens: torch.Tensor | None = None,
@@ -76,25 +86,30 @@ def _windows_and_rows(config: PLEConfig, ple_layer_index: int, *, tokens: torch.
     """The one place ``ple.analysis`` computes windows and rows, for the family of ``config``.
 
     Two calls: with ``tokens`` (int64 ``[T]``, R requests laid end to end as ``query_start_loc`` int64
-    ``[R+1]`` cuts them, ``ngram_context`` int64 ``[R, N-1]`` the tokens before each, oldest first; checked
-    by the caller), the windows ``[T, N]`` int64 of the tokens, column k the token k positions back after
-    the family's rule (docs/spec.md section 3: the EOS rule); two occurrences are the same n-gram of order
-    n when their windows agree in columns ``0..n-1``. With ``windows`` (``[T, n']`` with ``n' >= order``,
-    as the first call returns them), those windows. With ``order`` (2..N), also the global table rows of
-    order ``order``'s P heads, ``[T, P]`` int64 (head ``(order - 2) * P + j`` in column j), read from the
-    windows' first ``order`` columns only; otherwise None.
+    ``[R+1]`` cuts them, ``ngram_context`` int64 ``[R, N-1]`` the tokens before each, oldest first, the EOS /
+    pad token at a sequence's start; checked by the caller), the windows ``[T, N]`` int64 of the tokens, column
+    k the token k positions back after the family's rule (docs/spec.md section 3's EOS rule for Qwen4Exp;
+    none for Engram, section 15), in the tokens' own ids: not through the Engram family's ``token_map``, so an
+    n-gram reads back as the text it came from; two occurrences are the same n-gram of order n when their
+    windows agree in columns ``0..n-1``. With ``windows`` (``[T, n']`` with ``n' >= order``, as the first call
+    returns them), those windows. With ``order`` (2..N), also the global table rows of order ``order``'s P
+    heads, ``[T, P]`` int64 (head ``(order - 2) * P + j`` in column j), hashed from the windows' first
+    ``order`` columns only, after the token map (`_hashed_windows`): ``ngram_ids``' rows; otherwise None.
+    (For the two families this equals mapping before the rule: Qwen4Exp has no map, Engram no rule.)
     """
     N, P = config.ngram_size, config.heads_per_ngram
+    params = _params(config, ple_layer_index)
     if windows is None:
         assert tokens is not None and query_start_loc is not None and ngram_context is not None
-        windows = _batch_windows(tokens, ngram_context, N, config.eos_token_id, query_start_loc)
+        windows = _batch_windows(tokens, ngram_context, N, config.eos_token_id, query_start_loc,
+                                 eos_rule=params.eos_rule)
     if order is None:
         return windows, None
-    params = _params(config, ple_layer_index)
     heads = slice((order - 2) * P, (order - 1) * P)     # order n's heads, hashed from the first n multipliers
     cut = HashParams(params.multipliers[:order], params.head_sizes[heads], params.head_offsets[heads],
                      params.num_rows, params.vocab_size)
-    return windows, _window_rows(windows[:, :order].contiguous(), cut, P, first_order=order)
+    hashed = _hashed_windows(config, ple_layer_index, windows[:, :order].contiguous())
+    return windows, _window_rows(hashed, cut, P, first_order=order)
 
 
 # ---- the corpus: sequences, blocks ------------------------------------------------------------------------
@@ -359,6 +374,23 @@ def _tally(config: PLEConfig, tokens, ple_layer_index: int, *, chunk: int | None
         tally.add(windows)
     tally.flush()
     return tally, counts["sequences"]
+
+
+def _hashed_groups(tally: _Tally, ple_layer_index: int, n: int, *,
+                   block: int = _BLOCK_TOKENS) -> tuple[np.ndarray, np.ndarray] | None:
+    """Which of the tally's distinct n-grams of order n the hash cannot tell apart: with the family's
+    ``token_map``, ``(group, first)``: ``group`` int64 ``[K]`` numbers each distinct n-gram's mapped window (its
+    key in the hash) ``0..K'-1`` in key order, ``first`` ``[K']`` is a distinct n-gram of each; None without a
+    map (every n-gram its own key). Memory: the K mapped keys, block by block."""
+    if _params(tally.config, ple_layer_index).token_map is None:
+        return None
+    keys = tally.keys[n]
+    parts = [tally.pack(_hashed_windows(tally.config, ple_layer_index, tally.unpack(keys[a:a + block], n)), n)
+             for a in range(0, len(keys), block)]
+    mapped = torch.cat(parts).numpy() if parts else tally._empty(n)
+    _, first, group = np.unique(mapped, axis=0 if mapped.ndim == 2 else None, return_index=True,
+                                return_inverse=True)
+    return group.reshape(-1).astype(np.int64), first
 
 
 def _order_rows(tally: _Tally, ple_layer_index: int, n: int, *,

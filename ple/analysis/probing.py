@@ -51,7 +51,9 @@ def probe(layer: PLELayer, hidden_states: torch.Tensor, input_ids: torch.Tensor)
       float64 for a float64 layer), from the layer's values (exact there). Summed over the heads
       it equals ``value`` up to rounding, not bit for bit: ``value`` is the layer's GEMM rounded to the
       layer's dtype (one rounding of a float32 sum for bfloat16), the heads' sum is a float32 (float64) sum
-      in another order. The value projection has no bias (docs/spec.md section 4), so nothing is left out.
+      in another order. The Qwen4Exp value projection has no bias (docs/spec.md section 4), so nothing is left
+      out; an Engram-family layer's has one (section 15): there ``value`` is the heads' sum plus
+      ``value_proj.bias``, which belongs to no head.
 
     The table is looked up once for the parts and once for ``out`` (a pending ``start_prefetch`` serves the
     first; a disk table's counters count both). Under `ablate` the parts and ``out`` are the ablated layer's.

@@ -7,6 +7,14 @@ lists the n-grams behind given rows. ``tokens`` is one sequence (a 1-D integer t
 sequence per row), or an iterable of 1-D tensors (each its own sequence, from its start), consumed once,
 block by block: memory grows with the distinct n-grams, never with the table or the corpus. The work runs on
 the CPU (tensors elsewhere are copied there a block at a time).
+
+Both families (docs/spec.md sections 3, 14 and 15). An n-gram is its window after the family's rule, in the
+tokens' own ids: Qwen4Exp's windows stop at an EOS; Engram's have no rule (an EOS or pad inside the text is an
+ordinary token, positions before a sequence read the pad). With an Engram ``token_map`` (the compressed
+tokenizer) n-grams whose tokens the map merges, e.g. "The cat" and "the cat", are one key of the hash and land on
+the same rows by design: `ngram_stats` counts them as one n-gram (``distinct``, ``shared_rows``, ``collided`` and
+``expected_rows_hit`` are about the hash's own collisions), while `row_ngrams` lists each as written, in the
+tokens' ids, with its own count (what a tokenizer decodes).
 """
 
 from __future__ import annotations
@@ -21,7 +29,17 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ._ngrams import Progress, _check_layer, _is_integer_dtype, _no_progress, _order_rows, _params, _Tally, _tally
+from ._ngrams import (
+    Progress,
+    _check_layer,
+    _hashed_groups,
+    _is_integer_dtype,
+    _no_progress,
+    _order_rows,
+    _params,
+    _Tally,
+    _tally,
+)
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -40,9 +58,10 @@ class HeadStats:
 
     ``head``: its index h (0..NH-1); ``order``: the n-gram order it hashes, ``h // P + 2``; ``size``: its rows
     (a prime); ``occurrences``: the tokens counted (every token has one n-gram of each order, so every head
-    counts all tokens); ``distinct``: the distinct n-grams of its order; ``rows_hit``: the rows at least one of
-    them hashes to; ``shared_rows``: the rows two or more distinct n-grams hash to; ``collided``: the fraction of
-    occurrences whose row also serves another distinct n-gram (0.0 without occurrences);
+    counts all tokens); ``distinct``: the distinct n-grams of its order (the distinct keys of the hash: after an
+    Engram ``token_map``, see the module docstring); ``rows_hit``: the rows at least one of them hashes to;
+    ``shared_rows``: the rows two or more distinct n-grams hash to; ``collided``: the fraction of occurrences
+    whose row also serves another distinct n-gram (0.0 without occurrences);
     ``expected_rows_hit``: ``size * (1 - (1 - 1/size) ** distinct)``, the rows uniform hashing would hit
     (computed as ``-size * expm1(distinct * log1p(-1/size))``, the same value without the rounding of
     ``1 - 1/size``).
@@ -121,9 +140,10 @@ def ngram_stats(config: PLEConfig, tokens: Any, *, ple_layer_index: int = 0,
                 _chunk_tokens: int | None = None) -> NgramStats:
     """Every hash head's n-gram statistics over ``tokens`` (docs/analysis.md).
 
-    A token's n-gram of order n is its window's first n entries (docs/spec.md section 3: the EOS rule, a
-    context of EOS at each sequence start), and two occurrences are the same n-gram when those agree; its row
-    in head h is the one ``ngram_ids`` gives.
+    A token's n-gram of order n is its window's first n entries after the family's rule (docs/spec.md section 3:
+    the EOS rule, a context of EOS at each sequence start; section 15, Engram: no rule, a context of the pad),
+    and two occurrences are the same n-gram when those agree (after an Engram ``token_map``: when the hash reads
+    the same ids, see the module docstring); its row in head h is the one ``ngram_ids`` gives.
 
     Args:
         config: the model's `PLEConfig` (its hash: V, N, P, EOS, seed, table sizes).
@@ -161,8 +181,10 @@ def row_ngrams(config: PLEConfig, tokens: Any, rows: Any, *, ple_layer_index: in
 
     Returns:
         ``{row: [(ngram, count), ...]}``, a key per distinct row in the order given: the n-grams (tuples of token
-        ids, oldest first) of the order the row's head hashes, most frequent first, ties in ascending tuple
-        order; ``[]`` for a row nothing hits.
+        ids, oldest first, in the tokens' own ids: never through an Engram ``token_map``, so n-grams the map
+        merges are listed one by one, each with its own count) of the order the row's head hashes, most
+        frequent first, ties in ascending tuple order; ``[]`` for a row nothing hits. A window's entries before
+        a sequence's start are the EOS (Qwen4Exp) or pad (Engram) token.
 
     Raises:
         TypeError: as `ngram_stats`; ``rows`` holds something other than ints (a float, a bool); ``top`` is
@@ -283,6 +305,20 @@ def _local_rows(tally: _Tally, ple_layer_index: int, n: int) -> np.ndarray:
     return local
 
 
+def _keyed(tally: _Tally, ple_layer_index: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Head-local rows ``[K', P]`` and counts ``[K']`` of order n's distinct keys of the hash: the tally's
+    distinct n-grams, merged where the family's ``token_map`` sends two to the same ids (`_hashed_groups`;
+    their rows are equal, their counts add)."""
+    local, counts = _local_rows(tally, ple_layer_index, n), tally.counts[n]
+    groups = _hashed_groups(tally, ple_layer_index, n)
+    if groups is None:
+        return local, counts
+    group, first = groups
+    merged = np.zeros(len(first), dtype=np.int64)
+    np.add.at(merged, group, counts)
+    return np.ascontiguousarray(local[first]), merged
+
+
 def _heads_of_worker(local: np.ndarray, counts: np.ndarray, sizes: list[int], scratch: _Scratch, top: int,
                      columns: range) -> list[tuple[int, tuple[int, int, int, list[tuple[int, int]]]]]:
     """`_collisions` of the heads in ``columns`` (columns of ``local``), one after the other in ``scratch``."""
@@ -304,7 +340,8 @@ def _stats(tally: _Tally, ple_layer_index: int, sequences: int, *, top: int = 0,
     heads, top_rows = [], {}
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for n in progress(tally.orders, len(tally.orders), "rows of the distinct n-grams"):
-            local, counts, distinct = _local_rows(tally, ple_layer_index, n), tally.counts[n], tally.distinct(n)
+            local, counts = _keyed(tally, ple_layer_index, n)
+            distinct = len(counts)
             first = (n - 2) * P
             parts = [pool.submit(_heads_of_worker, local, counts, sizes[first:first + P], scratch[w], top,
                                  range(w, P, workers)) for w in range(workers)]

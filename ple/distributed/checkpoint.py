@@ -138,16 +138,11 @@ def load_table_piece_(layer: PLELayer, source: CheckpointSource, *, prefix: str 
 
 # ---- saving -----------------------------------------------------------------------------------------------
 def _dense_tensors(layer: PLELayer, prefix: str) -> list[tuple[str, torch.Tensor]]:
-    """Every tensor of ``layer`` but its table, under the model's keys, whole (a parameter FSDP2 shards is gathered:
-    a collective, every rank alike)."""
-    from ..io.layout import BUFFERS, CONV, KEY_PROJ, NORMS, VALUE_PROJ
+    """Every tensor of ``layer`` but its table, under the model's keys (``ple.io.layout.layer_tensors``: the Engram
+    family's projection biases too), whole (a parameter FSDP2 shards is gathered: a collective, every rank alike)."""
+    from ..io.layout import layer_tensors
 
-    e = layer.ple_embedding
-    pairs = [*zip(BUFFERS, (e.layer_multipliers, e.ngram_heads_vocab_sizes, e.ngram_heads_offsets), strict=True),
-             (KEY_PROJ, layer.key_proj.weight), (VALUE_PROJ, layer.value_proj.weight),
-             *zip(NORMS, (layer.norm_key.weight, layer.norm_query.weight, layer.norm_conv.weight), strict=True),
-             (CONV, layer.conv1d.weight)]
-    return [(prefix + k, t.full_tensor() if isinstance(t, DTensor) else t) for k, t in pairs]
+    return [(prefix + k, t.full_tensor() if isinstance(t, DTensor) else t) for k, t in layer_tensors(layer)]
 
 
 def _entry(key: str, t: torch.Tensor) -> Entry:
@@ -211,7 +206,8 @@ def save_sharded(layers: PLELayer | list[PLELayer] | tuple[PLELayer, ...], path:
     ``config.json``. No rank holds more of a table than its shard.
     ``optimizer``: a ``ple.optim`` optimizer training these tables (all of them, and no other); its state goes in
     ``path/optimizer/`` the same way, shard k from rank k (``ple.io.optim_state``). ``prefix`` and
-    ``overwrite``: as for ``ple.io.save``.
+    ``overwrite``: as for ``ple.io.save`` (an Engram-family layer: its prefix ``layers.{i}.engram.``, its projection
+    biases, and the ple-only mark, as ``ple.io.save`` writes them).
 
     Read it back per rank: the table with `load_table_piece_`, the optimizer's state with
     ``ple.io.load_optimizer`` (each rank its own piece); or whole, in one process, with ``ple.io.load_layer`` and
@@ -223,9 +219,10 @@ def save_sharded(layers: PLELayer | list[PLELayer] | tuple[PLELayer, ...], path:
             ``.safetensors`` path, an existing checkpoint without ``overwrite`` (``path``; on every rank, before
             anything is written), an ``optimizer`` that does not train exactly these tables.
     """
-    from ..io.layout import MODEL_PREFIX, SHARD
+    from ..io.layout import SHARD, layer_prefixes
     from ..io.load import CONFIG_METADATA_KEY
     from ..io.optim_state import OPTIMIZER_DIR
+    from ..io.policy import mark_config, mark_metadata, transformers_problems
     from ..io.save import prepare_dst
     from ..io.writer import INDEX_NAME, write_file
 
@@ -243,11 +240,8 @@ def save_sharded(layers: PLELayer | list[PLELayer] | tuple[PLELayer, ...], path:
     path = Path(path)
     if path.suffix == ".safetensors":
         raise ValueError(f"path: a sharded save writes a directory (one file a rank), got {path}")
-    template = MODEL_PREFIX if prefix is None else prefix
-    prefixes = [template.format(i=cfg.ple_layer_ids[la.ple_layer_index] - 1, index=la.ple_layer_index)
-                for la in layers]
-    if len(set(prefixes)) != len(prefixes):
-        raise ValueError(f"prefix: {template!r} gives the same prefix to several layers; use {{i}} or {{index}}")
+    prefixes = layer_prefixes(cfg, [la.ple_layer_index for la in layers], prefix)
+    problems = transformers_problems(None, False, family=cfg.family)      # float tables: an Engram config's alone
     if optimizer is not None:
         from ..io.optim_state import _order
 
@@ -275,7 +269,8 @@ def save_sharded(layers: PLELayer | list[PLELayer] | tuple[PLELayer, ...], path:
             if rank == 0:
                 entries += [_entry(k, t) for k, t in dense]
     names = ["model.safetensors"] if W == 1 else [f"model-{k + 1:05d}-of-{W:05d}.safetensors" for k in range(W)]
-    write_file(path / names[rank], entries, {"format": "pt", CONFIG_METADATA_KEY: json.dumps(cfg.to_dict())})
+    write_file(path / names[rank], entries,
+               mark_metadata({"format": "pt", CONFIG_METADATA_KEY: json.dumps(cfg.to_dict())}, problems))
     files = [path / names[rank]]
     opt_dir = path / OPTIMIZER_DIR
     opt_names = names if opt is not None and opt[0] else ["model.safetensors"]   # SGD has no state: rank 0's file
@@ -292,7 +287,7 @@ def save_sharded(layers: PLELayer | list[PLELayer] | tuple[PLELayer, ...], path:
             files.append(_write_index(opt_dir, opt_names))
         if not (path / "config.json").exists():
             with open(path / "config.json", "w", encoding="utf-8") as fh:
-                json.dump(cfg.to_dict(), fh, indent=2)
+                json.dump(mark_config(cfg.to_dict(), problems), fh, indent=2)
             files.append(path / "config.json")
     dist.barrier(group=group)                       # the checkpoint is whole when any rank returns
     return files

@@ -2,8 +2,13 @@
 
 Notation per token ``t`` and stream ``m`` (vectors of ``H`` channels): ``k``, ``q`` the
 key and hidden-state groups, ``v`` the value row; ``r_k = rsqrt(mean(k^2) + eps)``,
-``kh = k r_k``, ``kn = kh (1 + w_k)`` (``qh``, ``qn`` likewise), ``s = sum(kn qn) / sqrt(H)``,
-``g = sigmoid(sign(s) sqrt(max(|s|, 1e-6)))``, ``x = g v`` (gated), ``y = norm_conv(x)``.
+``kh = k r_k``, ``kn = kh a_k`` (``qh``, ``qn`` likewise), ``s = sum(kn qn) / sqrt(H)``,
+``g = sigmoid(sign(s) sqrt(max(|s|, 1e-6)))``, ``x = g v`` (gated), ``y = norm_conv(x)``
+with ``r_x = rsqrt(mean(x^2) + ceps)``. A norm's scale ``a = norm_scale(w)`` is ``1 + w`` where the
+``UNIT_OFFSET`` constexpr is set (the Qwen4Exp family) and ``w`` where it is not (the Engram family,
+docs/spec.md section 15); ``ceps``, the conv norm's epsilon, is a runtime argument (``ceps_hi``,
+``ceps_lo``), equal to ``eps`` in the Qwen4Exp family. ``da / dw = 1`` either way, so the backward
+below holds for both with ``a`` in place of ``1 + w``.
 
 The gate's arithmetic (its rounding points) is ``_gate_math``'s, shared with the prefill kernels;
 the launchers, block sizes and deterministic mode are ``ple.fast.gate``'s.
@@ -29,7 +34,7 @@ Kernel design (sums over ``H`` run over power-of-two chunks of ``H``, ``CHUNK``:
   registers in the order 0..M-1, rounded once: no atomics, no float32 ``[T, H]`` buffer), and
   the tile's sums over its tokens of the two products the norm weights' gradients need, one
   partial row pair per tile (``[tiles, 2, C]`` float32). ``_gate_wsum_kernel`` adds the
-  partial rows in token order and scales them by ``1 + w`` into the three gradients (rounded
+  partial rows in token order and scales them by ``a`` into the three gradients (rounded
   to each weight's dtype). The inputs are read twice from memory (the stats pass, then the
   tile pass), 2 x 87040 B per token, plus 46080 B of gradients written and 2 x 5120 B of
   partial rows: about 1.67x the op's minimum (138240 B), the price of no atomics and of
@@ -39,19 +44,19 @@ Kernel design (sums over ``H`` run over power-of-two chunks of ``H``, ``CHUNK``:
 
 Backward, per ``(t, m)`` with incoming ``dx`` (of gated) and ``dy`` (of conv_input), in the
 exact arithmetic the kernels follow: the sums ``Skk = sum(k^2)``, ``Sqq = sum(q^2)``,
-``P = sum(k q (1 + w_k)(1 + w_q))``, ``A = sum(dy (1 + w_c) v)``, ``B = sum(dx v)``,
+``P = sum(k q a_k a_q)``, ``A = sum(dy a_c v)``, ``B = sum(dx v)``,
 ``V = sum(v^2)``; then ``r_k``, ``r_q``, ``s = r_k r_q P / sqrt(H)``, ``g``,
-``r_x = rsqrt(g^2 V / H + eps)``, ``gam = g r_x`` and::
+``r_x = rsqrt(g^2 V / H + ceps)``, ``gam = g r_x`` and::
 
-    dg = B + A eps r_x^3                     (= sum(dx_total v); the conv norm's cancellation done exactly)
+    dg = B + A ceps r_x^3                    (= sum(dx_total v); the conv norm's cancellation done exactly)
     dz = dg g (1 - g)
     ds = dz / (2 sqrt(max(|s|, 1e-6))) where |s| >= 1e-6, else 0      (torch's clamp_min
          passes the gradient where the input is >= the bound; at s = 0 sign() and abs()
          both give 0, so g = 1/2 and ds = 0 there)
     alpha = ds r_k r_q / sqrt(H)
-    dk = alpha (1 + w_k)(1 + w_q) q - alpha r_k^2 (P / H) k     (dq likewise, k and q swapped)
-    dv = sum over m of  g dx + gam (1 + w_c) dy - gam^3 (A / H) v
-    dw_k = (1 + w_q) sum over t of alpha k q,  dw_q = (1 + w_k) sum over t of alpha k q,
+    dk = alpha a_k a_q q - alpha r_k^2 (P / H) k     (dq likewise, k and q swapped)
+    dv = sum over m of  g dx + gam a_c dy - gam^3 (A / H) v
+    dw_k = a_q sum over t of alpha k q,  dw_q = a_k sum over t of alpha k q,
     dw_c = sum over t of gam dy v
 
 The coefficients stored per (t, m) are ``alpha``, ``alpha r_k^2 P / H``, ``alpha r_q^2 P / H``,
@@ -63,7 +68,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._gate_math import conv_input, gate_clamp, gate_of, gated, norm_product, score_gate
+from ._gate_math import conv_input, gate_clamp, gate_of, gated, norm_product, norm_scale, score_gate
 from ._numerics import round_bf16, round_io, rsqrt, scalars, to_acc
 
 __all__ = ["_gate_fwd_kernel", "_gate_stats_kernel", "_gate_bwd_kernel", "_gate_wsum_kernel"]
@@ -75,14 +80,16 @@ def _gate_fwd_kernel(
     hid_ptr, stride_hid_t, stride_hid_c,
     wk_ptr, stride_wk_c, wq_ptr, stride_wq_c, wc_ptr, stride_wc_c,
     gated_ptr, stride_gated_t, stride_gated_c, conv_ptr, stride_conv_t, stride_conv_c,
-    H, M, eps_hi, eps_lo, sqrt_h,
+    H, M, eps_hi, eps_lo, ceps_hi, ceps_lo, sqrt_h,
     IS_FP64: tl.constexpr, IS_BF16: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
 ):
     """One token, all streams: per stream two passes over ``key`` / ``hidden`` (norms, then
     the score), then two passes over ``value`` for all streams at once (conv norm, then the
     stores), ``CHUNK`` channels of ``H`` per step."""
     XT = key_ptr.dtype.element_ty
     eps, root = scalars(H, eps_hi, eps_lo, sqrt_h, IS_FP64)
+    ceps, _ = scalars(H, ceps_hi, ceps_lo, sqrt_h, IS_FP64)
     t = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, CHUNK)
     rows = tl.arange(0, BLOCK_M)
@@ -112,7 +119,7 @@ def _gate_fwd_kernel(
             q = to_acc(tl.load(hid_row + c * stride_hid_c, mask=hm, other=0.0), IS_FP64)
             wk = to_acc(tl.load(wk_ptr + c * stride_wk_c, mask=hm, other=0.0), IS_FP64)
             wq = to_acc(tl.load(wq_ptr + c * stride_wq_c, mask=hm, other=0.0), IS_FP64)
-            acc += norm_product(k, q, r_k, r_q, wk, wq, XT, IS_BF16, IS_FP64)
+            acc += norm_product(k, q, r_k, r_q, wk, wq, XT, IS_BF16, IS_FP64, UNIT_OFFSET)
         g = score_gate(tl.sum(acc, 0), root, XT, IS_BF16, IS_FP64)
         g_all = tl.where(rows == m, g, g_all)
     # conv norm of x = g v, all streams at once: [BLOCK_M, CHUNK] tiles, value read once per pass
@@ -124,7 +131,7 @@ def _gate_fwd_kernel(
         v = to_acc(tl.load(val_row + h * stride_value_h, mask=h < H, other=0.0), IS_FP64)
         x = gated(g2, v[None, :], XT, IS_BF16, IS_FP64)
         xx += x * x
-    r_x = rsqrt(tl.sum(xx, 1) / H + eps, IS_FP64)[:, None]
+    r_x = rsqrt(tl.sum(xx, 1) / H + ceps, IS_FP64)[:, None]
     for h0 in range(0, H, CHUNK):
         h = h0 + j
         hm = h < H
@@ -133,7 +140,7 @@ def _gate_fwd_kernel(
         v = to_acc(tl.load(val_row + h * stride_value_h, mask=hm, other=0.0), IS_FP64)
         wc = to_acc(tl.load(wc_ptr + c * stride_wc_c, mask=msk, other=0.0), IS_FP64)
         x = gated(g2, v[None, :], XT, IS_BF16, IS_FP64)
-        y = conv_input(x * r_x, 1.0 + wc, XT, IS_BF16, IS_FP64)
+        y = conv_input(x * r_x, norm_scale(wc, UNIT_OFFSET), XT, IS_BF16, IS_FP64)
         tl.store(gated_ptr + t * stride_gated_t + c * stride_gated_c, x, mask=msk)
         tl.store(conv_ptr + t * stride_conv_t + c * stride_conv_c, y, mask=msk)
 
@@ -159,13 +166,15 @@ def _gate_stats_kernel(
     dgated_ptr, stride_dgated_t, stride_dgated_c,                         # grad of gated
     dconv_ptr, stride_dconv_t, stride_dconv_c,                            # grad of conv_input
     coef_ptr,                                                             # [T, M, 8] contiguous, acc
-    T, H, M, eps_hi, eps_lo, sqrt_h,
+    T, H, M, eps_hi, eps_lo, ceps_hi, ceps_lo, sqrt_h,
     IS_FP64: tl.constexpr, TOK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
 ):
     """``TOK`` tokens, all streams: the six sums over ``H`` of each (token, stream) in one pass over
     the inputs (chunks of ``H`` outer, so the norm weights load once per chunk and program), then
     the coefficients of the main kernel (module docstring), stored as one ``[TOK, M, 8]`` tile."""
     eps, root = scalars(H, eps_hi, eps_lo, sqrt_h, IS_FP64)
+    ceps, _ = scalars(H, ceps_hi, ceps_lo, sqrt_h, IS_FP64)
     t0 = tl.program_id(0).to(tl.int64) * TOK
     j = tl.arange(0, CHUNK)
     rows = tl.arange(0, BLOCK_M)
@@ -184,8 +193,8 @@ def _gate_stats_kernel(
         wmsk = live_m & (h < H)[None, :]
         wk = to_acc(tl.load(wk_ptr + c * stride_wk_c, mask=wmsk, other=0.0), IS_FP64)
         wq = to_acc(tl.load(wq_ptr + c * stride_wq_c, mask=wmsk, other=0.0), IS_FP64)
-        wc1 = 1.0 + to_acc(tl.load(wc_ptr + c * stride_wc_c, mask=wmsk, other=0.0), IS_FP64)
-        wkq = (1.0 + wk) * (1.0 + wq)
+        wc1 = norm_scale(to_acc(tl.load(wc_ptr + c * stride_wc_c, mask=wmsk, other=0.0), IS_FP64), UNIT_OFFSET)
+        wkq = norm_scale(wk, UNIT_OFFSET) * norm_scale(wq, UNIT_OFFSET)
         for i in range(TOK):
             t = t0 + i
             hlim = tl.where(t < T, H, 0)        # live channels of a live token
@@ -209,9 +218,9 @@ def _gate_stats_kernel(
     r_q = rsqrt(s_qq / H + eps, IS_FP64)
     s = r_k * r_q * s_kq / root
     a, mag, g = gate_of(s, s.dtype, False, IS_FP64)          # s.dtype: the accumulation dtype, no rounding
-    r_x = rsqrt(g * g * s_vv / H + eps, IS_FP64)
+    r_x = rsqrt(g * g * s_vv / H + ceps, IS_FP64)
     gam = g * r_x
-    dg = s_b + s_a * eps * (r_x * r_x * r_x)
+    dg = s_b + s_a * ceps * (r_x * r_x * r_x)
     dz = dg * g * (1.0 - g)
     ds = tl.where(a >= gate_clamp(IS_FP64), dz * 0.5 / mag, 0.0)
     alpha = ds / root * r_k * r_q
@@ -245,7 +254,7 @@ def _gate_bwd_kernel(
     part_ptr,                                                             # [tiles, 2, C] contiguous, acc
     T, H, M, C,
     IS_FP64: tl.constexpr, IS_BF16: tl.constexpr, IS_FP16: tl.constexpr,
-    TOK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+    TOK: tl.constexpr, CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, UNIT_OFFSET: tl.constexpr,
 ):
     """A ``[TOK, CHUNK]`` tile of tokens x channels of ``H``, all streams in turn: ``dkey``,
     ``dhidden``, ``dvalue`` (the streams summed in order 0..M-1 in registers) and the tile's
@@ -279,9 +288,9 @@ def _gate_bwd_kernel(
         gam = _pick(cm, col2 == 4, 1)[:, None]
         delta = _pick(cm, col2 == 5, 1)[:, None]
         c = m * H + h
-        wk1 = 1.0 + to_acc(tl.load(wk_ptr + c * stride_wk_c, mask=hm, other=0.0), IS_FP64)
-        wq1 = 1.0 + to_acc(tl.load(wq_ptr + c * stride_wq_c, mask=hm, other=0.0), IS_FP64)
-        wc1 = 1.0 + to_acc(tl.load(wc_ptr + c * stride_wc_c, mask=hm, other=0.0), IS_FP64)
+        wk1 = norm_scale(to_acc(tl.load(wk_ptr + c * stride_wk_c, mask=hm, other=0.0), IS_FP64), UNIT_OFFSET)
+        wq1 = norm_scale(to_acc(tl.load(wq_ptr + c * stride_wq_c, mask=hm, other=0.0), IS_FP64), UNIT_OFFSET)
+        wc1 = norm_scale(to_acc(tl.load(wc_ptr + c * stride_wc_c, mask=hm, other=0.0), IS_FP64), UNIT_OFFSET)
         wkq = (wk1 * wq1)[None, :]
         c2 = c[None, :]
         k, q, dxo, dy = _bwd_inputs(key_ptr, stride_key_t, stride_key_c, hid_ptr, stride_hid_t, stride_hid_c,
@@ -317,8 +326,10 @@ def _gate_wsum_kernel(
     part_ptr, num_tiles, C, wk_ptr, stride_wk_c, wq_ptr, stride_wq_c, dwk_ptr, dwq_ptr, dwc_ptr,
     IS_FP64: tl.constexpr, WK_BF16: tl.constexpr, WK_FP16: tl.constexpr, WQ_BF16: tl.constexpr,
     WQ_FP16: tl.constexpr, WC_BF16: tl.constexpr, WC_FP16: tl.constexpr, BLOCK: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
 ):
-    """Second pass: the tiles' partial rows added in token order, scaled, rounded to the weights' dtypes."""
+    """Second pass: the tiles' partial rows added in token order, scaled (by the other norm's scale: ``dw_k =
+    a_q sum(alpha k q)``), rounded to the weights' dtypes."""
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     cm = c < C
     s1 = to_acc(tl.zeros([BLOCK], dtype=tl.float32), IS_FP64)
@@ -330,8 +341,8 @@ def _gate_wsum_kernel(
         s2 += tl.load(p2, mask=cm, other=0.0)
         p1 += 2 * C
         p2 += 2 * C
-    wk1 = 1.0 + to_acc(tl.load(wk_ptr + c * stride_wk_c, mask=cm, other=0.0), IS_FP64)
-    wq1 = 1.0 + to_acc(tl.load(wq_ptr + c * stride_wq_c, mask=cm, other=0.0), IS_FP64)
+    wk1 = norm_scale(to_acc(tl.load(wk_ptr + c * stride_wk_c, mask=cm, other=0.0), IS_FP64), UNIT_OFFSET)
+    wq1 = norm_scale(to_acc(tl.load(wq_ptr + c * stride_wq_c, mask=cm, other=0.0), IS_FP64), UNIT_OFFSET)
     _store_w(dwk_ptr + c, wq1 * s1, cm, WK_BF16, WK_FP16)
     _store_w(dwq_ptr + c, wk1 * s1, cm, WQ_BF16, WQ_FP16)
     _store_w(dwc_ptr + c, s2, cm, WC_BF16, WC_FP16)

@@ -8,6 +8,11 @@ root, the sigmoid, ``g * v`` and the conv norm. Each helper rounds to the storag
 the gate's backward recomputes the forward). The sums over ``H`` stay in the kernels: their order
 (chunked per kernel) is the kernel's own.
 
+The family's norm form is `norm_scale`'s (``UNIT_OFFSET``, a ``tl.constexpr``: the scale ``1 + w`` of the
+Qwen4Exp family, or ``w`` itself, ``nn.RMSNorm``'s, of the Engram family, docs/spec.md section 15); the
+conv norm's epsilon (``ceps``, the Engram family's 1e-5) is a runtime argument beside the key and query
+norms' ``eps``.
+
 `row_scalars` is the prefill kernels' gate of a block of rows (``g`` and the conv norm's ``r_x`` per
 row, three loops over ``H`` in chunks of `BLOCK_H`); `conv_norm_chunk` and `conv_rows` give those rows'
 gated values and conv inputs, one chunk of ``H`` at a time (`conv_inputs_chunk`: the conv inputs alone).
@@ -22,11 +27,22 @@ import triton.language as tl
 
 from ._numerics import rnd, rsqrt, to_acc, up
 
-__all__ = ["BLOCK_H", "STATE_WARPS", "gate_clamp", "gate_of", "norm_product", "score_gate", "gated",
+__all__ = ["BLOCK_H", "STATE_WARPS", "norm_scale", "gate_clamp", "gate_of", "norm_product", "score_gate", "gated",
            "conv_input", "row_scalars", "conv_norm_chunk", "conv_rows", "conv_inputs_chunk"]
 
 BLOCK_H = 32            # the prefill kernels: channels of H per chunk
 STATE_WARPS = 2         # the prefill state kernel's [next_power_of_2(S), BLOCK_H] tiles: 8 channels per thread
+
+
+@triton.jit
+def norm_scale(w, UNIT_OFFSET: tl.constexpr):
+    """A norm's scale of its weight ``w`` (in the accumulation dtype): ``1 + w`` where ``UNIT_OFFSET`` (the
+    Qwen4Exp family), else ``w`` itself (the Engram family: ``nn.RMSNorm``)."""
+    if UNIT_OFFSET:
+        a = 1.0 + w
+    else:
+        a = w
+    return a
 
 
 @triton.jit
@@ -51,10 +67,12 @@ def gate_of(s, XT: tl.constexpr, IS_BF16: tl.constexpr, IS_FP64: tl.constexpr):
 
 
 @triton.jit
-def norm_product(k, q, r_k, r_q, wk, wq, XT: tl.constexpr, IS_BF16: tl.constexpr, IS_FP64: tl.constexpr):
-    """One term of the score: ``round(kn * qn)``, ``kn = round(k r_k (1 + w_k))``, ``qn`` likewise (broadcast)."""
-    kn = rnd((k * r_k) * (1.0 + wk), XT, IS_BF16, IS_FP64)
-    qn = rnd((q * r_q) * (1.0 + wq), XT, IS_BF16, IS_FP64)
+def norm_product(k, q, r_k, r_q, wk, wq, XT: tl.constexpr, IS_BF16: tl.constexpr, IS_FP64: tl.constexpr,
+                 UNIT_OFFSET: tl.constexpr):
+    """One term of the score: ``round(kn * qn)``, ``kn = round(k r_k a_k)`` with ``a_k = norm_scale(w_k)``
+    (``1 + w_k``, or ``w_k``), ``qn`` likewise (broadcast)."""
+    kn = rnd((k * r_k) * norm_scale(wk, UNIT_OFFSET), XT, IS_BF16, IS_FP64)
+    qn = rnd((q * r_q) * norm_scale(wq, UNIT_OFFSET), XT, IS_BF16, IS_FP64)
     return rnd(kn * qn, XT, IS_BF16, IS_FP64)
 
 
@@ -75,19 +93,21 @@ def gated(g, v, XT: tl.constexpr, IS_BF16: tl.constexpr, IS_FP64: tl.constexpr):
 
 @triton.jit
 def conv_input(xr, wc1, XT: tl.constexpr, IS_BF16: tl.constexpr, IS_FP64: tl.constexpr):
-    """The conv input ``round(x r_x (1 + w_c))`` of the gated value ``x``, from ``xr = x r_x`` and ``wc1 = 1 + w_c``
-    (broadcast; the caller forms both, so each kernel keeps its own order of evaluation, hence its own code)."""
+    """The conv input ``round(x r_x a_c)`` of the gated value ``x``, from ``xr = x r_x`` and ``wc1 = a_c``, the conv
+    norm's scale (`norm_scale`: ``1 + w_c``, or ``w_c``) (broadcast; the caller forms both, so each kernel keeps its
+    own order of evaluation, hence its own code)."""
     return rnd(xr * wc1, XT, IS_BF16, IS_FP64)
 
 
 @triton.jit
 def row_scalars(key_ptr, value_ptr, hid_ptr, wk_ptr, wq_ptr, prow, rmask, m, H,
                 stride_key_t, stride_key_c, stride_value_t, stride_value_h, stride_hid_t, stride_hid_c,
-                stride_wk_c, stride_wq_c, eps, sqrt_h,
+                stride_wk_c, stride_wq_c, eps, ceps, sqrt_h,
                 XT: tl.constexpr, IS_BF16: tl.constexpr, IS_FP64: tl.constexpr,
-                BLOCK: tl.constexpr, BLOCK_H: tl.constexpr):
+                BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, UNIT_OFFSET: tl.constexpr):
     """Per physical row ``prow`` (where ``rmask``) of stream ``m``: the gate ``g`` and the conv norm's factor
-    ``r_x`` (three loops over H: the two norms' sums of squares, the score, the conv norm's sum of squares)."""
+    ``r_x`` (three loops over H: the two norms' sums of squares, the score, the conv norm's sum of squares).
+    ``eps`` is the key and query norms' epsilon, ``ceps`` the conv norm's."""
     hh = tl.arange(0, BLOCK_H).to(tl.int64)
     zero = tl.zeros([BLOCK], dtype=tl.float32)
     if IS_FP64:
@@ -118,8 +138,8 @@ def row_scalars(key_ptr, value_ptr, hid_ptr, wk_ptr, wq_ptr, prow, rmask, m, H,
                IS_BF16, IS_FP64)
         wk = to_acc(tl.load(wk_ptr + c * stride_wk_c, mask=hm, other=0.0), IS_FP64)
         wq = to_acc(tl.load(wq_ptr + c * stride_wq_c, mask=hm, other=0.0), IS_FP64)
-        sd += tl.sum(norm_product(k, q, r_k[:, None], r_q[:, None], wk[None, :], wq[None, :], XT, IS_BF16, IS_FP64),
-                     1)
+        sd += tl.sum(norm_product(k, q, r_k[:, None], r_q[:, None], wk[None, :], wq[None, :], XT, IS_BF16, IS_FP64,
+                                  UNIT_OFFSET), 1)
     g = score_gate(sd, sqrt_h, XT, IS_BF16, IS_FP64)
     sx = zero
     for h0 in range(0, H, BLOCK_H):
@@ -129,16 +149,17 @@ def row_scalars(key_ptr, value_ptr, hid_ptr, wk_ptr, wq_ptr, prow, rmask, m, H,
                        other=0.0), IS_BF16, IS_FP64)
         x = gated(g[:, None], v, XT, IS_BF16, IS_FP64)
         sx += tl.sum(x * x, 1)
-    r_x = rsqrt(sx / H + eps, IS_FP64)
+    r_x = rsqrt(sx / H + ceps, IS_FP64)
     return g, r_x
 
 
 @triton.jit
-def conv_norm_chunk(wc_ptr, stride_wc_c, m, H, h, IS_FP64: tl.constexpr):
-    """A chunk ``h`` of stream ``m``'s channels of H: ``(h < H, the channels m * H + h, 1 + w_c there)``."""
+def conv_norm_chunk(wc_ptr, stride_wc_c, m, H, h, IS_FP64: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    """A chunk ``h`` of stream ``m``'s channels of H: ``(h < H, the channels m * H + h, the conv norm's scale
+    there)`` (`norm_scale`: ``1 + w_c``, or ``w_c``)."""
     hm = h < H
     c = m * H + h
-    wc1 = 1.0 + to_acc(tl.load(wc_ptr + c * stride_wc_c, mask=hm, other=0.0), IS_FP64)
+    wc1 = norm_scale(to_acc(tl.load(wc_ptr + c * stride_wc_c, mask=hm, other=0.0), IS_FP64), UNIT_OFFSET)
     return hm, c, wc1
 
 
@@ -147,7 +168,7 @@ def conv_rows(value_ptr, stride_value_t, stride_value_h, prow, rmask, h, hm, g, 
               XT: tl.constexpr, IS_BF16: tl.constexpr, IS_FP64: tl.constexpr):
     """``(x, u)``: the gated values and conv inputs (`gated`, `conv_input`; ``[rows, chunk]``) of physical rows
     ``prow`` (where ``rmask``, else 0) with gates ``g`` and conv-norm factors ``r_x``, at the chunk of
-    `conv_norm_chunk` (``wc1 = 1 + w_c``)."""
+    `conv_norm_chunk` (``wc1``, the conv norm's scale)."""
     v = up(tl.load(value_ptr + prow[:, None] * stride_value_t + h[None, :] * stride_value_h,
                    mask=rmask[:, None] & hm[None, :], other=0.0), IS_BF16, IS_FP64)
     x = gated(g[:, None], v, XT, IS_BF16, IS_FP64)
@@ -156,9 +177,9 @@ def conv_rows(value_ptr, stride_value_t, stride_value_h, prow, rmask, h, hm, g, 
 
 @triton.jit
 def conv_inputs_chunk(value_ptr, stride_value_t, stride_value_h, wc_ptr, stride_wc_c, prow, rmask, m, H, h, g, r_x,
-                      XT: tl.constexpr, IS_BF16: tl.constexpr, IS_FP64: tl.constexpr):
+                      XT: tl.constexpr, IS_BF16: tl.constexpr, IS_FP64: tl.constexpr, UNIT_OFFSET: tl.constexpr):
     """`conv_norm_chunk`, then `conv_rows`: ``(h < H, the channels m * H + h, the conv inputs there)`` of physical
     rows ``prow`` (where ``rmask``) of stream ``m``, for the chunk ``h`` of H (the gated values unkept)."""
-    hm, c, wc1 = conv_norm_chunk(wc_ptr, stride_wc_c, m, H, h, IS_FP64)
+    hm, c, wc1 = conv_norm_chunk(wc_ptr, stride_wc_c, m, H, h, IS_FP64, UNIT_OFFSET)
     _, u = conv_rows(value_ptr, stride_value_t, stride_value_h, prow, rmask, h, hm, g, r_x, wc1, XT, IS_BF16, IS_FP64)
     return hm, c, u

@@ -3,7 +3,10 @@
 Notation per token ``t`` and stream ``m`` (vectors of ``H`` channels): ``k``, ``q`` the
 key and hidden-state groups, ``v`` the value row; ``r_k = rsqrt(mean(k^2) + eps)``,
 ``kh = k r_k``, ``kn = kh (1 + w_k)`` (``qh``, ``qn`` likewise), ``s = sum(kn qn) / sqrt(H)``,
-``g = sigmoid(sign(s) sqrt(max(|s|, 1e-6)))``, ``x = g v`` (gated), ``y = norm_conv(x)``.
+``g = sigmoid(sign(s) sqrt(max(|s|, 1e-6)))``, ``x = g v`` (gated), ``y = norm_conv(x)`` (its
+epsilon ``conv_eps``). With ``unit_offset=False`` (the Engram family, docs/spec.md section 15) every
+norm scales by ``w`` instead of ``1 + w``: the kernels' ``UNIT_OFFSET`` constexpr (``_gate_math.norm_scale``),
+so each family compiles its own kernels; the conv eps is a runtime argument.
 
 Kernels (``ple.fast._gate_kernels``, where their design, memory traffic and the backward's arithmetic
 are written down): the forward ``_gate_fwd_kernel`` is one program per token, all ``M`` streams, and
@@ -105,7 +108,14 @@ def _gate_dtype_flags(dt: torch.dtype) -> dict:
     return dict(IS_FP64=is_fp64(dt), IS_BF16=dt == torch.bfloat16, IS_FP16=dt == torch.float16)
 
 
-def _gate_fwd(key, value, hidden_states, wk, wq, wc, eps):
+def _family_args(eps, conv_eps, unit_offset) -> dict:
+    """The family's kernel arguments: the conv norm's epsilon as float32 halves (``conv_eps`` None: ``eps``) and
+    ``UNIT_OFFSET``."""
+    ceps_hi, ceps_lo = eps_parts(eps if conv_eps is None else conv_eps)
+    return dict(ceps_hi=ceps_hi, ceps_lo=ceps_lo, UNIT_OFFSET=bool(unit_offset))
+
+
+def _gate_fwd(key, value, hidden_states, wk, wq, wc, eps, conv_eps=None, unit_offset=True):
     T, C = key.shape
     H = value.shape[1]
     M = C // H
@@ -120,11 +130,11 @@ def _gate_fwd(key, value, hidden_states, wk, wq, wc, eps):
         conv_ptr=conv_input, stride_conv_t=conv_input.stride(0), stride_conv_c=conv_input.stride(1),
         H=H, M=M, eps_hi=eps_hi, eps_lo=eps_lo, sqrt_h=math.sqrt(H), IS_FP64=is_fp64(key.dtype),
         IS_BF16=key.dtype == torch.bfloat16, CHUNK=chunk, BLOCK_M=triton.next_power_of_2(M), num_warps=_warps(chunk),
-        **_input_args(key, value, hidden_states, wk, wq, wc))
+        **_family_args(eps, conv_eps, unit_offset), **_input_args(key, value, hidden_states, wk, wq, wc))
     return gated, conv_input
 
 
-def _gate_bwd(dgated, dconv, key, value, hidden_states, wk, wq, wc, eps):
+def _gate_bwd(dgated, dconv, key, value, hidden_states, wk, wq, wc, eps, conv_eps=None, unit_offset=True):
     """Gradients of key, value, hidden_states and the three norm weights."""
     T, C = key.shape
     H = value.shape[1]
@@ -157,10 +167,11 @@ def _gate_bwd(dgated, dconv, key, value, hidden_states, wk, wq, wc, eps):
         _gate_stats_kernel[(triton.cdiv(T, stats_tok),)](
             T=T, H=H, M=M, eps_hi=eps_hi, eps_lo=eps_lo, sqrt_h=math.sqrt(H), IS_FP64=is_fp64(dt),
             TOK=stats_tok, CHUNK=stats_chunk, BLOCK_M=block_m, num_warps=_warps(block_m * stats_chunk // 2),
-            **grads)
+            **_family_args(eps, conv_eps, unit_offset), **grads)
         _gate_bwd_kernel[(tiles, triton.cdiv(H, bwd_chunk))](
             dk_ptr=dkey, dq_ptr=dhidden, dv_ptr=dvalue, part_ptr=part, T=T, H=H, M=M, C=C, **_gate_dtype_flags(dt),
-            TOK=tok, CHUNK=bwd_chunk, BLOCK_M=block_m, num_warps=_warps(tok * bwd_chunk), **grads)
+            TOK=tok, CHUNK=bwd_chunk, BLOCK_M=block_m, num_warps=_warps(tok * bwd_chunk),
+            UNIT_OFFSET=bool(unit_offset), **grads)
     dws = [torch.empty((C,), dtype=w.dtype, device=dev) for w in (wk, wq, wc)]
     flags = {}
     for name, w in zip(("WK", "WQ", "WC"), (wk, wq, wc), strict=True):
@@ -168,7 +179,7 @@ def _gate_bwd(dgated, dconv, key, value, hidden_states, wk, wq, wc, eps):
     block_c = min(_SUM_BLOCK_C, triton.next_power_of_2(C))
     _gate_wsum_kernel[(triton.cdiv(C, block_c),)](
         part, tiles, C, wk, wk.stride(0), wq, wq.stride(0), dws[0], dws[1], dws[2], IS_FP64=is_fp64(dt), **flags,
-        BLOCK=block_c, num_warps=4)
+        BLOCK=block_c, UNIT_OFFSET=bool(unit_offset), num_warps=4)
     return (dkey, dvalue, dhidden, *dws)
 
 
@@ -177,12 +188,13 @@ def _gate_bwd(dgated, dconv, key, value, hidden_states, wk, wq, wc, eps):
 
 def _gate_bwd_impl(dgated: torch.Tensor, dconv: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    hidden_states: torch.Tensor, norm_key_weight: torch.Tensor, norm_query_weight: torch.Tensor,
-                   norm_conv_weight: torch.Tensor, eps: float) -> list[torch.Tensor]:
+                   norm_conv_weight: torch.Tensor, eps: float, conv_eps: float,
+                   unit_offset: bool) -> list[torch.Tensor]:
     return list(_gate_bwd(dgated, dconv, key, value, hidden_states, norm_key_weight, norm_query_weight,
-                          norm_conv_weight, eps))
+                          norm_conv_weight, eps, conv_eps, unit_offset))
 
 
-def _gate_bwd_fake(dgated, dconv, key, value, hidden_states, wk, wq, wc, eps):
+def _gate_bwd_fake(dgated, dconv, key, value, hidden_states, wk, wq, wc, eps, conv_eps, unit_offset):
     return [torch.empty_like(key, memory_format=torch.contiguous_format),
             torch.empty_like(value, memory_format=torch.contiguous_format),
             torch.empty_like(hidden_states, memory_format=torch.contiguous_format),
@@ -193,28 +205,29 @@ _gate_bwd_op = register("ple_gate_backward", _gate_bwd_impl, fake=_gate_bwd_fake
 
 
 def _gate_impl(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor, norm_key_weight: torch.Tensor,
-               norm_query_weight: torch.Tensor, norm_conv_weight: torch.Tensor,
-               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    return _gate_fwd(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps)
+               norm_query_weight: torch.Tensor, norm_conv_weight: torch.Tensor, eps: float, conv_eps: float,
+               unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _gate_fwd(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps, conv_eps,
+                     unit_offset)
 
 
-def _gate_fake(key, value, hidden_states, wk, wq, wc, eps):
+def _gate_fake(key, value, hidden_states, wk, wq, wc, eps, conv_eps, unit_offset):
     return (torch.empty_like(key, memory_format=torch.contiguous_format),
             torch.empty_like(key, memory_format=torch.contiguous_format))
 
 
 def _gate_setup(ctx, inputs, output):
-    *tensors, eps = inputs
+    *tensors, eps, conv_eps, unit_offset = inputs
     ctx.save_for_backward(*tensors)
-    ctx.eps = eps
+    ctx.eps, ctx.conv_eps, ctx.unit_offset = eps, conv_eps, unit_offset
 
 
 def _gate_backward(ctx, dgated, dconv):
     tensors = ctx.saved_tensors
     dgated = torch.zeros_like(tensors[0]) if dgated is None else dgated
     dconv = torch.zeros_like(tensors[0]) if dconv is None else dconv
-    grads = _gate_bwd_op(dgated, dconv, *tensors, ctx.eps)
-    return (*grads, None)
+    grads = _gate_bwd_op(dgated, dconv, *tensors, ctx.eps, ctx.conv_eps, ctx.unit_offset)
+    return (*grads, None, None, None)
 
 
 _gate_op = register("ple_gate", _gate_impl, fake=_gate_fake, backward=_gate_backward, setup_context=_gate_setup)
@@ -223,7 +236,8 @@ _gate_op = register("ple_gate", _gate_impl, fake=_gate_fake, backward=_gate_back
 @twin(_reference.ple_gate)
 def ple_gate(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor,
              norm_key_weight: torch.Tensor, norm_query_weight: torch.Tensor,
-             norm_conv_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+             norm_conv_weight: torch.Tensor, eps: float, *, conv_eps: float | None = None,
+             unit_offset: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """One forward kernel (a program per token, every stream); the backward (``ple.ple_gate_backward``) is three
     launches without atomics, whose bits under ``torch.use_deterministic_algorithms(True)`` do not depend on the
     block sizes either. Everything is computed in float32 (float64 for float64 inputs) and rounded to the input
@@ -231,6 +245,9 @@ def ple_gate(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor
     than the reference's: equal within the tolerance, not bit for bit. The backward recomputes the forward in
     float32 without those roundings. Registered as ``torch.ops.ple.ple_gate``; the gate has no value checks, so it
     never reads a tensor value on the host. CPU tensors are refused (``ValueError``) while the kernels are compiled;
-    under ``TRITON_INTERPRET=1`` they run on the CPU."""
-    _checks.gate_call(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps)
-    return _gate_op(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, float(eps))
+    under ``TRITON_INTERPRET=1`` they run on the CPU. ``unit_offset`` is a compile-time flag of the kernels (each
+    family has its own), the conv norm's epsilon a runtime argument."""
+    _checks.gate_call(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
+                      conv_eps=conv_eps, unit_offset=unit_offset)
+    return _gate_op(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, float(eps),
+                    float(eps if conv_eps is None else conv_eps), unit_offset)

@@ -15,6 +15,12 @@ rounded up to a power of two):
   request is ``>= k`` and otherwise from the request's ``ngram_context`` row (column
   ``N - 1 + pos - k``; all EOS without a context, ``HAS_CONTEXT`` false). A running flag
   says whether a step back has already reached an EOS; once it has, the entry is EOS.
+* **Family** (docs/spec.md section 15). ``HAS_TOKEN_MAP``: every id the window reads (the token, the
+  tokens back, the context or the boundary token ``eos``) is gathered through the token map (``map_ptr``,
+  int32 or int64 ``[V]``, read through its stride) before it is hashed; the boundary once per program
+  (every lane the same address). ``EOS_RULE`` false (the Engram family): no running flag, every entry is the (mapped)
+  token k back, and positions before the request read the (mapped) ``eos``. Both are constexprs, so the
+  Qwen4Exp kernel (``EOS_RULE``, no map) compiles as before.
 * **Hash.** ``mix`` accumulates ``w[k] * m[k]`` by XOR in int64, products wrapping modulo ``2**64``
   (the config's multipliers never wrap; hand-built ones may, docs/spec.md section 3); after step ``k``
   it becomes the mix of the ``P`` heads of order ``k + 1`` in a ``[tokens, NH']`` tile, and every head
@@ -80,10 +86,12 @@ def _ngram_kernel(
     w_ptr, stride_w_r, stride_w_d,                         # [rows, D] table, or NF4 words [rows, W] (HAS_TABLE)
     emb_ptr, stride_emb_t, stride_emb_c,                   # [T, NH*D] embedding (HAS_TABLE)
     levels_ptr,                                            # [16] float32 NF4 levels (NF4)
+    map_ptr, stride_map,                                   # [V] int32 / int64 token map (HAS_TOKEN_MAP)
     T, R, D, eos, search_steps,
     N: tl.constexpr, P: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_CONTEXT: tl.constexpr,
     HAS_IDS_OUT: tl.constexpr, HAS_TABLE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     NF4: tl.constexpr = False, WORD: tl.constexpr = 1, IS_OUT_BF16: tl.constexpr = False,
+    EOS_RULE: tl.constexpr = True, HAS_TOKEN_MAP: tl.constexpr = False,
 ):
     NH: tl.constexpr = (N - 1) * P
     # NHP: NH rounded up to a power of two (the width of the head axis of the tiles).
@@ -127,6 +135,12 @@ def _ngram_kernel(
     jm = tl.arange(0, NP)
     mults = tl.load(mult_ptr + jm, mask=jm < N, other=0)                # [NP]: vector loads, not N scalars
     tok = tl.load(ids_ptr + t * stride_ids_t, mask=live, other=0).to(tl.int64)
+    if HAS_TOKEN_MAP:                                                    # docs/spec.md 15: the map first
+        tok = tl.load(map_ptr + tok * stride_map, mask=live, other=0).to(tl.int64)
+        boundary = tl.load(map_ptr + (tl.zeros([BLOCK_T], dtype=tl.int64) + eos) * stride_map, mask=live,
+                           other=0).to(tl.int64)                         # token_map[eos]: one address
+    else:
+        boundary = eos                                                   # the boundary token, as the ids read it
     mix = tok * tl.sum(tl.where(jm == 0, mults, 0), axis=0)
     seen_eos = tok < 0                                                   # all false
     mix2 = tl.zeros([BLOCK_T, NHP], dtype=tl.int64)                      # [token, head]: the head's mix
@@ -140,8 +154,13 @@ def _ngram_kernel(
         else:
             from_ctx = tl.zeros([BLOCK_T], dtype=tl.int64) + eos
         back = tl.where(in_chunk, from_chunk, from_ctx)                  # the token k positions back
-        w_k = tl.where(seen_eos, tl.zeros([BLOCK_T], dtype=tl.int64) + eos, back)
-        seen_eos = seen_eos | (back == eos)
+        if HAS_TOKEN_MAP:
+            back = tl.load(map_ptr + back * stride_map, mask=live, other=0).to(tl.int64)
+        if EOS_RULE:
+            w_k = tl.where(seen_eos, tl.zeros([BLOCK_T], dtype=tl.int64) + boundary, back)
+            seen_eos = seen_eos | (back == boundary)
+        else:                                                            # Engram: no EOS rule
+            w_k = back
         mix = mix ^ (w_k * tl.sum(tl.where(jm == k, mults, 0), axis=0))
         mix2 = tl.where((order == k)[None, :], mix[:, None], mix2)       # the P heads of order k + 1
     # The head sizes and offsets are loaded per (token, head), a [BLOCK_T, NHP] tile: consecutive heads
@@ -204,9 +223,10 @@ def _nf4_words(weight: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def _hash(input_ids, multipliers, head_sizes, head_offsets, P, eos_token_id, query_start_loc, ngram_context, *,
-          weight=None, write_ids=True, nf4_dtype=None):
+          weight=None, write_ids=True, nf4_dtype=None, token_map=None, eos_rule=True):
     """Launch ``_ngram_kernel``; returns ``(ids or None, embedding or None)``. With ``nf4_dtype``, ``weight``
-    holds NF4 rows (uint8 ``[rows, D/2 + 4]``) and the embedding their values in that dtype."""
+    holds NF4 rows (uint8 ``[rows, D/2 + 4]``) and the embedding their values in that dtype. ``token_map`` and
+    ``eos_rule``: the family (``HashParams``' fields of those names)."""
     dev = input_ids.device
     T = input_ids.numel()
     N = multipliers.numel()
@@ -231,6 +251,7 @@ def _hash(input_ids, multipliers, head_sizes, head_offsets, P, eos_token_id, que
     w, word = _nf4_words(weight) if nf4 else (weight if weight is not None else mult[None], 1)
     e = emb if emb is not None else mult[None]                          # emb is None without a table
     levels = _levels(dev) if nf4 else mult
+    tmap = token_map.to(dev) if token_map is not None else mult         # a placeholder without a map
     # The fused gather's tile is [tokens, NH', BLOCK_D] (NH' = NH rounded up to a power of two).
     block_t = max(1, _FUSED_ROWS // triton.next_power_of_2(NH)) if has_table else _BLOCK_T
     _ngram_kernel[(triton.cdiv(T, block_t),)](
@@ -241,11 +262,13 @@ def _hash(input_ids, multipliers, head_sizes, head_offsets, P, eos_token_id, que
         out_ptr=ids_out, stride_out_t=ids_out.stride(0), stride_out_h=ids_out.stride(1),
         w_ptr=w, stride_w_r=w.stride(0), stride_w_d=w.stride(1),
         emb_ptr=e, stride_emb_t=e.stride(0), stride_emb_c=e.stride(1), levels_ptr=levels,
+        map_ptr=tmap, stride_map=tmap.stride(0),
         T=T, R=R, D=D, eos=eos_token_id, search_steps=max(R - 1, 0).bit_length(),
         N=N, P=P, IS_VARLEN=is_varlen, HAS_CONTEXT=ngram_context is not None,
         HAS_IDS_OUT=write_ids, HAS_TABLE=has_table, BLOCK_T=block_t,
         BLOCK_D=max(pow2_block(D, _NF4_BLOCK_D), 2 * word) if nf4 else pow2_block(D, _BLOCK_D),
         NF4=nf4, WORD=word, IS_OUT_BF16=out_dtype == torch.bfloat16,
+        EOS_RULE=eos_rule, HAS_TOKEN_MAP=token_map is not None,
     )
     return out, emb
 
@@ -253,20 +276,26 @@ def _hash(input_ids, multipliers, head_sizes, head_offsets, P, eos_token_id, que
 # ---- registration ----------------------------------------------------------------------------------
 
 
+def _family(params: HashParams) -> tuple[torch.Tensor | None, bool]:
+    """The op arguments that carry the family: ``(params.token_map, params.eos_rule)``."""
+    return params.token_map, params.eos_rule
+
+
 def _ngram_ids_impl(input_ids: torch.Tensor, multipliers: torch.Tensor, head_sizes: torch.Tensor,
                     head_offsets: torch.Tensor, vocab_size: int, heads_per_ngram: int, eos_token_id: int,
                     query_start_loc: torch.Tensor | None, ngram_context: torch.Tensor | None,
-                    validate: bool) -> torch.Tensor:
+                    token_map: torch.Tensor | None, eos_rule: bool, validate: bool) -> torch.Tensor:
     if validate:
-        _checks.ngram_values(input_ids, HashParams(multipliers, head_sizes, head_offsets, 0, vocab_size),
+        _checks.ngram_values(input_ids, HashParams(multipliers, head_sizes, head_offsets, 0, vocab_size, token_map,
+                                                   eos_rule),
                              heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
     ids, _ = _hash(input_ids, multipliers, head_sizes, head_offsets, heads_per_ngram, eos_token_id,
-                   query_start_loc, ngram_context)
+                   query_start_loc, ngram_context, token_map=token_map, eos_rule=eos_rule)
     return ids
 
 
 def _ngram_ids_fake(input_ids, multipliers, head_sizes, head_offsets, vocab_size, heads_per_ngram, eos_token_id,
-                    query_start_loc, ngram_context, validate):
+                    query_start_loc, ngram_context, token_map, eos_rule, validate):
     return input_ids.new_empty((input_ids.shape[0], head_sizes.shape[0]), dtype=torch.int64)
 
 
@@ -279,28 +308,31 @@ def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: i
               ngram_context: torch.Tensor | None = None, validate: bool = True) -> torch.Tensor:
     """One kernel (``_ngram_kernel``, a program per 64 tokens): each token finds its request by a binary search over
     ``query_start_loc`` on the device, reads its window from the chunk or its ``ngram_context`` with the EOS rule,
-    and hashes every head in int64 (Triton's truncating ``%`` moved up to the floor remainder). Registered as
-    ``torch.ops.ple.ngram_ids``: the public function checks the metadata, the op the values at run time, reading the
-    tokens and offsets on the host (``validate=True``); with ``validate=False`` the launch needs only shapes, so
-    nothing is read back. CPU tensors are refused (``ValueError``) while the kernels are compiled; under
+    and hashes every head in int64 (Triton's truncating ``%`` moved up to the floor remainder). The family's
+    ``params.token_map`` (a gather of every id read, the boundary token included) and ``params.eos_rule`` are the
+    kernel's ``HAS_TOKEN_MAP`` and ``EOS_RULE`` constexprs, and the op's ``token_map`` / ``eos_rule`` arguments.
+    Registered as ``torch.ops.ple.ngram_ids``: the public function checks the metadata, the op the values at run
+    time, reading the tokens and offsets on the host (``validate=True``); with ``validate=False`` the launch needs
+    only shapes, so nothing is read back. CPU tensors are refused (``ValueError``) while the kernels are compiled; under
     ``TRITON_INTERPRET=1`` they run on the CPU."""
     _checks.ngram_meta(input_ids, params, heads_per_ngram, eos_token_id, query_start_loc, ngram_context)
     return _ngram_ids_op(input_ids, params.multipliers, params.head_sizes, params.head_offsets, params.vocab_size,
-                         heads_per_ngram, eos_token_id, query_start_loc, ngram_context, _checks.validating(validate))
+                         heads_per_ngram, eos_token_id, query_start_loc, ngram_context, *_family(params),
+                         _checks.validating(validate))
 
 
 def _ngram_embedding_bwd_impl(grad: torch.Tensor, input_ids: torch.Tensor, multipliers: torch.Tensor,
                               head_sizes: torch.Tensor, head_offsets: torch.Tensor, heads_per_ngram: int,
                               eos_token_id: int, query_start_loc: torch.Tensor | None,
-                              ngram_context: torch.Tensor | None, num_rows: int,
-                              dtype: torch.dtype) -> torch.Tensor:
+                              ngram_context: torch.Tensor | None, token_map: torch.Tensor | None, eos_rule: bool,
+                              num_rows: int, dtype: torch.dtype) -> torch.Tensor:
     ids, _ = _hash(input_ids, multipliers, head_sizes, head_offsets, heads_per_ngram, eos_token_id,
-                   query_start_loc, ngram_context)
+                   query_start_loc, ngram_context, token_map=token_map, eos_rule=eos_rule)
     return _lookup_bwd(grad, ids, num_rows, dtype)
 
 
 def _ngram_embedding_bwd_fake(grad, input_ids, multipliers, head_sizes, head_offsets, heads_per_ngram,
-                              eos_token_id, query_start_loc, ngram_context, num_rows, dtype):
+                              eos_token_id, query_start_loc, ngram_context, token_map, eos_rule, num_rows, dtype):
     return grad.new_empty((num_rows, grad.shape[1] // max(head_sizes.shape[0], 1)), dtype=dtype)
 
 
@@ -311,32 +343,35 @@ _ngram_embedding_bwd_op = register("ngram_embedding_backward", _ngram_embedding_
 def _ngram_embedding_impl(weight: torch.Tensor, input_ids: torch.Tensor, multipliers: torch.Tensor,
                           head_sizes: torch.Tensor, head_offsets: torch.Tensor, vocab_size: int,
                           heads_per_ngram: int, eos_token_id: int, query_start_loc: torch.Tensor | None,
-                          ngram_context: torch.Tensor | None, validate: bool) -> torch.Tensor:
+                          ngram_context: torch.Tensor | None, token_map: torch.Tensor | None, eos_rule: bool,
+                          validate: bool) -> torch.Tensor:
     if validate:
-        _checks.ngram_values(input_ids, HashParams(multipliers, head_sizes, head_offsets, 0, vocab_size),
+        _checks.ngram_values(input_ids, HashParams(multipliers, head_sizes, head_offsets, 0, vocab_size, token_map,
+                                                   eos_rule),
                              heads_per_ngram, eos_token_id, query_start_loc, ngram_context, weight=weight)
     _, emb = _hash(input_ids, multipliers, head_sizes, head_offsets, heads_per_ngram, eos_token_id,
-                   query_start_loc, ngram_context, weight=weight, write_ids=False)
+                   query_start_loc, ngram_context, weight=weight, write_ids=False, token_map=token_map,
+                   eos_rule=eos_rule)
     return emb
 
 
 def _ngram_embedding_fake(weight, input_ids, multipliers, head_sizes, head_offsets, vocab_size, heads_per_ngram,
-                          eos_token_id, query_start_loc, ngram_context, validate):
+                          eos_token_id, query_start_loc, ngram_context, token_map, eos_rule, validate):
     return weight.new_empty((input_ids.shape[0], head_sizes.shape[0] * weight.shape[1]))
 
 
 def _ngram_embedding_setup(ctx, inputs, output):
-    weight, input_ids, mult, sizes, offsets, vocab, P, eos, query_start_loc, context, _ = inputs
-    ctx.save_for_backward(input_ids, mult, sizes, offsets, query_start_loc, context)
-    ctx.meta = (P, eos, weight.shape[0], weight.dtype)
+    weight, input_ids, mult, sizes, offsets, vocab, P, eos, query_start_loc, context, token_map, eos_rule, _ = inputs
+    ctx.save_for_backward(input_ids, mult, sizes, offsets, query_start_loc, context, token_map)
+    ctx.meta = (P, eos, eos_rule, weight.shape[0], weight.dtype)
 
 
 def _ngram_embedding_backward(ctx, grad):
-    input_ids, mult, sizes, offsets, query_start_loc, context = ctx.saved_tensors
-    P, eos, rows, dtype = ctx.meta
+    input_ids, mult, sizes, offsets, query_start_loc, context, token_map = ctx.saved_tensors
+    P, eos, eos_rule, rows, dtype = ctx.meta
     dw = _ngram_embedding_bwd_op(grad.contiguous(), input_ids, mult, sizes, offsets, P, eos, query_start_loc,
-                                 context, rows, dtype)
-    return (dw,) + (None,) * 10
+                                 context, token_map, eos_rule, rows, dtype)
+    return (dw,) + (None,) * 12
 
 
 _ngram_embedding_op = register("ngram_embedding", _ngram_embedding_impl, fake=_ngram_embedding_fake,
@@ -359,7 +394,7 @@ def ngram_embedding(weight: torch.Tensor, input_ids: torch.Tensor, params: HashP
                        weight=weight)
     return _ngram_embedding_op(weight, input_ids, params.multipliers, params.head_sizes, params.head_offsets,
                                params.vocab_size, heads_per_ngram, eos_token_id, query_start_loc, ngram_context,
-                               _checks.validating(validate))
+                               *_family(params), _checks.validating(validate))
 
 
 # ---- NF4 tables: hash, gather and unpack in one kernel ---------------------------------------------------------
@@ -368,18 +403,21 @@ def ngram_embedding(weight: torch.Tensor, input_ids: torch.Tensor, params: HashP
 def _ngram_embedding_nf4_impl(weight: torch.Tensor, input_ids: torch.Tensor, multipliers: torch.Tensor,
                               head_sizes: torch.Tensor, head_offsets: torch.Tensor, vocab_size: int,
                               heads_per_ngram: int, eos_token_id: int, query_start_loc: torch.Tensor | None,
-                              ngram_context: torch.Tensor | None, dtype: torch.dtype,
-                              validate: bool) -> torch.Tensor:
+                              ngram_context: torch.Tensor | None, token_map: torch.Tensor | None, eos_rule: bool,
+                              dtype: torch.dtype, validate: bool) -> torch.Tensor:
     if validate:
-        _checks.ngram_values(input_ids, HashParams(multipliers, head_sizes, head_offsets, 0, vocab_size),
+        _checks.ngram_values(input_ids, HashParams(multipliers, head_sizes, head_offsets, 0, vocab_size, token_map,
+                                                   eos_rule),
                              heads_per_ngram, eos_token_id, query_start_loc, ngram_context, weight=weight)
     _, emb = _hash(input_ids, multipliers, head_sizes, head_offsets, heads_per_ngram, eos_token_id,
-                   query_start_loc, ngram_context, weight=weight, write_ids=False, nf4_dtype=dtype)
+                   query_start_loc, ngram_context, weight=weight, write_ids=False, nf4_dtype=dtype,
+                   token_map=token_map, eos_rule=eos_rule)
     return emb
 
 
 def _ngram_embedding_nf4_fake(weight, input_ids, multipliers, head_sizes, head_offsets, vocab_size,
-                              heads_per_ngram, eos_token_id, query_start_loc, ngram_context, dtype, validate):
+                              heads_per_ngram, eos_token_id, query_start_loc, ngram_context, token_map, eos_rule,
+                              dtype, validate):
     return weight.new_empty((input_ids.shape[0], head_sizes.shape[0] * 2 * (weight.shape[1] - 4)), dtype=dtype)
 
 
@@ -428,4 +466,4 @@ def ngram_embedding_nf4(weight: torch.Tensor, input_ids: torch.Tensor, params: H
         raise TypeError(f"dtype: expected a torch float dtype, got {dtype!r}")
     return _ngram_embedding_nf4_op(weight, input_ids, params.multipliers, params.head_sizes, params.head_offsets,
                                    params.vocab_size, heads_per_ngram, eos_token_id, query_start_loc,
-                                   ngram_context, dtype, _checks.validating(validate))
+                                   ngram_context, *_family(params), dtype, _checks.validating(validate))

@@ -15,7 +15,7 @@ channels in chunks of ``BLOCK_H``:
    ``g`` and ``r_x`` of the block's rows stay in registers; the values at row ``i - lag`` are
    taken exactly with a one-hot select and sum (``_shift``), once per tap, outside the loop;
 4. per tap j, the conv input of row ``p - lag_j`` is recomputed from ``value`` and that row's
-   ``g``, ``r_x`` (``round(round(round(g v) r_x (1 + w_c)) * keep``); a position before the
+   ``g``, ``r_x`` (``round(round(round(g v) r_x a_c)) * keep``, ``a_c`` the conv norm's scale); a position before the
    request's start reads the slot's old column (serving, ``has_initial_states``) or zero. Then
    ``y = round(silu(round(sum_j w_j u_j)))`` and ``out = round(round(gated + y) + hidden)``.
 
@@ -31,6 +31,9 @@ columns ``[0, S)``: column i is ``hist[n + i]``, the conv input of position ``n 
 old column ``n + i``; all of a chunk's values are loaded before a barrier, then stored, so the
 in-place shift cannot race. Rows of a request on the null slot get no conv term and its slot is
 neither read nor written. With ``token_indices``, physical rows no logical row maps to are zeroed.
+
+The family (docs/spec.md section 15): the norms' scale, ``1 + w`` or ``w``, is the kernels' ``UNIT_OFFSET``
+constexpr and the conv norm's epsilon a runtime argument (``ceps_hi``, ``ceps_lo``), as in ``ple.fast.gate``.
 
 Numerics: the gate's and the conv's rounding points (``ple.fast._gate_math``: the gate's arithmetic, the
 helpers the fast gate calls too, e.g. ``row_scalars`` for loops 1-3; ``ple.fast.conv``), with
@@ -109,7 +112,7 @@ def _keep_of(keep_ptr, stride_keep_t, prow, mask, HAS_KEEP: tl.constexpr, IS_FP6
 def _prefill_kernel(
     key_ptr, value_ptr, hid_ptr, wk_ptr, wq_ptr, wc_ptr, w_ptr, out_ptr,
     state_ptr, slot_ptr, query_start_loc_ptr, init_ptr, rows_ptr, keep_ptr,
-    H, R, steps, null_slot, eps_hi, eps_lo, sqrt_h,
+    H, R, steps, null_slot, eps_hi, eps_lo, ceps_hi, ceps_lo, sqrt_h,
     stride_key_t, stride_key_c, stride_value_t, stride_value_h, stride_hid_t, stride_hid_c,
     stride_wk_c, stride_wq_c, stride_wc_c, stride_w_c, stride_w_k, stride_out_t, stride_out_c,
     stride_state_n, stride_state_c, stride_state_w,
@@ -118,13 +121,14 @@ def _prefill_kernel(
     HAS_TOKEN_INDICES: tl.constexpr, HAS_KEEP: tl.constexpr,
     IS_BF16: tl.constexpr, IS_W_BF16: tl.constexpr, IS_STATE_BF16: tl.constexpr,
     IS_STATE_SAME_DTYPE: tl.constexpr, IS_FP64: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, UNIT_OFFSET: tl.constexpr,
 ):
     """Outputs of one tile of ``ROWS - S`` positions of one request, stream ``program_id(1)``."""
     S: tl.constexpr = (K - 1) * DILATION
     BLOCK_T: tl.constexpr = ROWS - S
     XT = key_ptr.dtype.element_ty
     eps, root = scalars(H, eps_hi, eps_lo, sqrt_h, IS_FP64)
+    ceps, _ = scalars(H, ceps_hi, ceps_lo, sqrt_h, IS_FP64)
     m = tl.program_id(1).to(tl.int64)
     r, t0 = tile_of(tl.program_id(0), query_start_loc_ptr, stride_query_start_loc_r, R, steps, BLOCK_T)
     lo = tl.load(query_start_loc_ptr + r * stride_query_start_loc_r).to(tl.int64)
@@ -137,7 +141,7 @@ def _prefill_kernel(
     prow = _physical(rows_ptr, stride_rows_t, lo + p, rmask, HAS_TOKEN_INDICES)
     g, r_x = row_scalars(key_ptr, value_ptr, hid_ptr, wk_ptr, wq_ptr, prow, rmask, m, H,
                          stride_key_t, stride_key_c, stride_value_t, stride_value_h, stride_hid_t, stride_hid_c,
-                         stride_wk_c, stride_wq_c, eps, root, XT, IS_BF16, IS_FP64, ROWS, BLOCK_H)
+                         stride_wk_c, stride_wq_c, eps, ceps, root, XT, IS_BF16, IS_FP64, ROWS, BLOCK_H, UNIT_OFFSET)
     zt = p * 0
     if SERVING:
         slot = tl.load(slot_ptr + r * stride_slot_r).to(tl.int64)
@@ -151,7 +155,7 @@ def _prefill_kernel(
     hh = tl.arange(0, BLOCK_H).to(tl.int64)
     for h0 in range(0, H, BLOCK_H):
         h = h0 + hh
-        hm, c, wc1 = conv_norm_chunk(wc_ptr, stride_wc_c, m, H, h, IS_FP64)
+        hm, c, wc1 = conv_norm_chunk(wc_ptr, stride_wc_c, m, H, h, IS_FP64, UNIT_OFFSET)
         acc = tl.zeros([ROWS, BLOCK_H], dtype=tl.float32)
         if IS_FP64:
             acc = acc.to(tl.float64)
@@ -203,7 +207,7 @@ def _prefill_kernel(
 def _prefill_state_kernel(
     key_ptr, value_ptr, hid_ptr, wk_ptr, wq_ptr, wc_ptr,
     state_ptr, slot_ptr, query_start_loc_ptr, init_ptr, rows_ptr, keep_ptr,
-    H, null_slot, eps_hi, eps_lo, sqrt_h,
+    H, null_slot, eps_hi, eps_lo, ceps_hi, ceps_lo, sqrt_h,
     stride_key_t, stride_key_c, stride_value_t, stride_value_h, stride_hid_t, stride_hid_c,
     stride_wk_c, stride_wq_c, stride_wc_c,
     stride_state_n, stride_state_c, stride_state_w,
@@ -211,13 +215,14 @@ def _prefill_state_kernel(
     K: tl.constexpr, DILATION: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     HAS_TOKEN_INDICES: tl.constexpr, HAS_KEEP: tl.constexpr,
     IS_BF16: tl.constexpr, IS_STATE_BF16: tl.constexpr, IS_STATE_SAME_DTYPE: tl.constexpr, IS_FP64: tl.constexpr,
-    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, UNIT_OFFSET: tl.constexpr,
 ):
     """New columns ``[0, S)`` of request ``program_id(0)``'s slot, stream ``program_id(1)``'s channels."""
     S: tl.constexpr = (K - 1) * DILATION
     XT = key_ptr.dtype.element_ty
     ST = state_ptr.dtype.element_ty
     eps, root = scalars(H, eps_hi, eps_lo, sqrt_h, IS_FP64)
+    ceps, _ = scalars(H, ceps_hi, ceps_lo, sqrt_h, IS_FP64)
     r = tl.program_id(0).to(tl.int64)
     m = tl.program_id(1).to(tl.int64)
     lo = tl.load(query_start_loc_ptr + r * stride_query_start_loc_r).to(tl.int64)
@@ -236,14 +241,15 @@ def _prefill_state_kernel(
     prow = _physical(rows_ptr, stride_rows_t, lo + p, from_x, HAS_TOKEN_INDICES)
     g, r_x = row_scalars(key_ptr, value_ptr, hid_ptr, wk_ptr, wq_ptr, prow, from_x, m, H,
                          stride_key_t, stride_key_c, stride_value_t, stride_value_h, stride_hid_t, stride_hid_c,
-                         stride_wk_c, stride_wq_c, eps, root, XT, IS_BF16, IS_FP64, BLOCK_S, BLOCK_H)
+                         stride_wk_c, stride_wq_c, eps, ceps, root, XT, IS_BF16, IS_FP64, BLOCK_S, BLOCK_H,
+                         UNIT_OFFSET)
     kf = _keep_of(keep_ptr, stride_keep_t, prow, from_x, HAS_KEEP, IS_FP64)
     state_row = state_ptr + slot * stride_state_n
     hh = tl.arange(0, BLOCK_H).to(tl.int64)
     for h0 in range(0, H, BLOCK_H):
         h = h0 + hh
         hm, c, u = conv_inputs_chunk(value_ptr, stride_value_t, stride_value_h, wc_ptr, stride_wc_c, prow, from_x,
-                                     m, H, h, g, r_x, XT, IS_BF16, IS_FP64)
+                                     m, H, h, g, r_x, XT, IS_BF16, IS_FP64, UNIT_OFFSET)
         u = down(u * kf[:, None], XT, IS_BF16)
         sv = tl.load(state_row + (n + i)[:, None] * stride_state_w + c[None, :] * stride_state_c,
                      mask=from_state[:, None] & hm[None, :], other=0.0)
@@ -261,16 +267,19 @@ def _prefill_state_kernel(
 # ---- launchers -------------------------------------------------------------------------------------
 
 
-def _common(key, value, hidden_states, wk, wq, wc, eps, keep, token_indices, placeholder) -> dict:
+def _common(key, value, hidden_states, wk, wq, wc, eps, keep, token_indices, placeholder, conv_eps=None,
+            unit_offset=True) -> dict:
     H = value.shape[1]
     eps_hi, eps_lo = _numerics.eps_parts(eps)
+    ceps_hi, ceps_lo = _numerics.eps_parts(eps if conv_eps is None else conv_eps)
     rows = token_indices if token_indices is not None else placeholder
     kp = keep if keep is not None else placeholder
     if kp.dtype == torch.bool:
         kp = kp.view(torch.uint8)
     return dict(
         key_ptr=key, value_ptr=value, hid_ptr=hidden_states, wk_ptr=wk, wq_ptr=wq, wc_ptr=wc,
-        rows_ptr=rows, keep_ptr=kp, H=H, eps_hi=eps_hi, eps_lo=eps_lo, sqrt_h=math.sqrt(H),
+        rows_ptr=rows, keep_ptr=kp, H=H, eps_hi=eps_hi, eps_lo=eps_lo, ceps_hi=ceps_hi, ceps_lo=ceps_lo,
+        sqrt_h=math.sqrt(H), UNIT_OFFSET=bool(unit_offset),
         stride_key_t=key.stride(0), stride_key_c=key.stride(1), stride_value_t=value.stride(0),
         stride_value_h=value.stride(1), stride_hid_t=hidden_states.stride(0), stride_hid_c=hidden_states.stride(1),
         stride_wk_c=wk.stride(0), stride_wq_c=wq.stride(0), stride_wc_c=wc.stride(0),
@@ -281,7 +290,8 @@ def _common(key, value, hidden_states, wk, wq, wc, eps, keep, token_indices, pla
 
 
 def _prefill_fwd(key, value, hidden_states, wk, wq, wc, eps, conv_weights, dilation, query_start_loc, keep,
-                 conv_state, state_indices, has_initial_states, token_indices, null_slot) -> torch.Tensor:
+                 conv_state, state_indices, has_initial_states, token_indices, null_slot, conv_eps=None,
+                 unit_offset=True) -> torch.Tensor:
     """Launch the kernels of one ``ple_prefill`` call; grids from shapes only (no host reads)."""
     T, C = key.shape
     H = value.shape[1]
@@ -296,7 +306,8 @@ def _prefill_fwd(key, value, hidden_states, wk, wq, wc, eps, conv_weights, dilat
         return out
     serving = conv_state is not None
     placeholder = query_start_loc
-    common = _common(key, value, hidden_states, wk, wq, wc, eps, keep, token_indices, placeholder)
+    common = _common(key, value, hidden_states, wk, wq, wc, eps, keep, token_indices, placeholder, conv_eps,
+                     unit_offset)
     conv_state = conv_state if serving else key.unsqueeze(2)            # placeholder: never read
     state_indices = state_indices if serving else placeholder
     init = has_initial_states if has_initial_states is not None else placeholder
@@ -324,9 +335,10 @@ def _prefill_fwd(key, value, hidden_states, wk, wq, wc, eps, conv_weights, dilat
     return out
 
 
-def _prefill_bwd(dout, key, value, hidden_states, wk, wq, wc, eps, conv_weights, dilation, query_start_loc, keep):
+def _prefill_bwd(dout, key, value, hidden_states, wk, wq, wc, eps, conv_weights, dilation, query_start_loc, keep,
+                 conv_eps=None, unit_offset=True):
     """Gradients of key, value, hidden_states, the three norm weights and conv_weights (forward case)."""
-    gated, conv_input = _gate._gate_fwd(key, value, hidden_states, wk, wq, wc, eps)
+    gated, conv_input = _gate._gate_fwd(key, value, hidden_states, wk, wq, wc, eps, conv_eps, unit_offset)
     dout = dout.contiguous()
     mask = None
     if keep is not None:
@@ -336,7 +348,8 @@ def _prefill_bwd(dout, key, value, hidden_states, wk, wq, wc, eps, conv_weights,
     dgated = dout
     if mask is not None:
         dgated, dconv = dout * mask, dconv * mask
-    dk, dv, dh, dwk, dwq, dwc = _gate._gate_bwd(dgated, dconv, key, value, hidden_states, wk, wq, wc, eps)
+    dk, dv, dh, dwk, dwq, dwc = _gate._gate_bwd(dgated, dconv, key, value, hidden_states, wk, wq, wc, eps, conv_eps,
+                                                unit_offset)
     return [dk, dv, dh + dout, dwk.clone(), dwq.clone(), dwc.clone(), dw]
 
 
@@ -353,26 +366,28 @@ def _check_values(key, conv_weights, dilation, query_start_loc, conv_state, stat
 def _fwd_impl(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor, norm_key_weight: torch.Tensor,
               norm_query_weight: torch.Tensor, norm_conv_weight: torch.Tensor, eps: float,
               conv_weights: torch.Tensor, dilation: int, query_start_loc: torch.Tensor,
-              keep: torch.Tensor | None, validate: bool) -> torch.Tensor:
+              keep: torch.Tensor | None, conv_eps: float, unit_offset: bool, validate: bool) -> torch.Tensor:
     if validate:
         _check_values(key, conv_weights, dilation, query_start_loc, None, None, None, None, 0)
     return _prefill_fwd(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
-                        conv_weights, dilation, query_start_loc, keep, None, None, None, None, 0)
+                        conv_weights, dilation, query_start_loc, keep, None, None, None, None, 0, conv_eps, unit_offset)
 
 
-def _fwd_fake(key, value, hidden_states, wk, wq, wc, eps, conv_weights, dilation, query_start_loc, keep, validate):
+def _fwd_fake(key, value, hidden_states, wk, wq, wc, eps, conv_weights, dilation, query_start_loc, keep, conv_eps,
+              unit_offset, validate):
     return torch.empty_like(key, memory_format=torch.contiguous_format)
 
 
 def _bwd_impl(dout: torch.Tensor, key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor,
               norm_key_weight: torch.Tensor, norm_query_weight: torch.Tensor, norm_conv_weight: torch.Tensor,
               eps: float, conv_weights: torch.Tensor, dilation: int, query_start_loc: torch.Tensor,
-              keep: torch.Tensor | None) -> list[torch.Tensor]:
+              keep: torch.Tensor | None, conv_eps: float, unit_offset: bool) -> list[torch.Tensor]:
     return _prefill_bwd(dout, key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
-                        conv_weights, dilation, query_start_loc, keep)
+                        conv_weights, dilation, query_start_loc, keep, conv_eps, unit_offset)
 
 
-def _bwd_fake(dout, key, value, hidden_states, wk, wq, wc, eps, conv_weights, dilation, query_start_loc, keep):
+def _bwd_fake(dout, key, value, hidden_states, wk, wq, wc, eps, conv_weights, dilation, query_start_loc, keep,
+              conv_eps, unit_offset):
     cf = torch.contiguous_format
     return [torch.empty_like(key, memory_format=cf), torch.empty_like(value, memory_format=cf),
             torch.empty_like(hidden_states, memory_format=cf), torch.empty_like(wk), torch.empty_like(wq),
@@ -383,15 +398,17 @@ _bwd_op = register("ple_prefill_backward", _bwd_impl, fake=_bwd_fake)
 
 
 def _setup(ctx, inputs, output):
-    key, value, hidden, wk, wq, wc, eps, conv_weights, dilation, query_start_loc, keep, _ = inputs
+    key, value, hidden, wk, wq, wc, eps, conv_weights, dilation, query_start_loc, keep, conv_eps, unit_offset, _ = \
+        inputs
     ctx.save_for_backward(key, value, hidden, wk, wq, wc, conv_weights, query_start_loc, keep)
-    ctx.eps, ctx.dilation = eps, dilation
+    ctx.eps, ctx.dilation, ctx.conv_eps, ctx.unit_offset = eps, dilation, conv_eps, unit_offset
 
 
 def _backward(ctx, dout):
     key, value, hidden, wk, wq, wc, conv_weights, query_start_loc, keep = ctx.saved_tensors
-    grads = _bwd_op(dout, key, value, hidden, wk, wq, wc, ctx.eps, conv_weights, ctx.dilation, query_start_loc, keep)
-    return (*grads[:6], None, grads[6], None, None, None, None)
+    grads = _bwd_op(dout, key, value, hidden, wk, wq, wc, ctx.eps, conv_weights, ctx.dilation, query_start_loc, keep,
+                    ctx.conv_eps, ctx.unit_offset)
+    return (*grads[:6], None, grads[6], None, None, None, None, None, None)
 
 
 _fwd_op = register("ple_prefill", _fwd_impl, fake=_fwd_fake, backward=_backward, setup_context=_setup)
@@ -402,13 +419,13 @@ def _serving_impl(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.T
                   eps: float, conv_weights: torch.Tensor, dilation: int, query_start_loc: torch.Tensor,
                   keep: torch.Tensor | None, conv_state: torch.Tensor, state_indices: torch.Tensor,
                   has_initial_states: torch.Tensor | None, token_indices: torch.Tensor | None, null_slot: int,
-                  validate: bool) -> torch.Tensor:
+                  conv_eps: float, unit_offset: bool, validate: bool) -> torch.Tensor:
     if validate:
         _check_values(key, conv_weights, dilation, query_start_loc, conv_state, state_indices, has_initial_states,
                       token_indices, null_slot)
     return _prefill_fwd(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
                         conv_weights, dilation, query_start_loc, keep, conv_state, state_indices,
-                        has_initial_states, token_indices, null_slot)
+                        has_initial_states, token_indices, null_slot, conv_eps, unit_offset)
 
 
 def _serving_fake(key, *args):
@@ -424,8 +441,8 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
                 eps: float, conv_weights: torch.Tensor, *, dilation: int, query_start_loc: torch.Tensor,
                 keep: torch.Tensor | None = None, conv_state: torch.Tensor | None = None,
                 state_indices: torch.Tensor | None = None, has_initial_states: torch.Tensor | None = None,
-                token_indices: torch.Tensor | None = None, null_slot: int = 0,
-                validate: bool = True) -> torch.Tensor:
+                token_indices: torch.Tensor | None = None, null_slot: int = 0, conv_eps: float | None = None,
+                unit_offset: bool = True, validate: bool = True) -> torch.Tensor:
     """Fused: one kernel (``_prefill_kernel``, a program per time tile and stream) does the gate, ``keep``, the
     conv, silu and both adds, so ``gated`` and ``conv_input`` never go to memory (each tap's conv input is
     recomputed from ``value`` and its row's gate). Without a conv state (``torch.ops.ple.ple_prefill``) the backward
@@ -438,10 +455,12 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
     _checks.prefill_meta(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
                          conv_weights, dilation=dilation, query_start_loc=query_start_loc, keep=keep,
                          conv_state=conv_state, state_indices=state_indices,
-                         has_initial_states=has_initial_states, token_indices=token_indices, null_slot=null_slot)
+                         has_initial_states=has_initial_states, token_indices=token_indices, null_slot=null_slot,
+                         conv_eps=conv_eps, unit_offset=unit_offset)
+    ceps = float(eps if conv_eps is None else conv_eps)
     if conv_state is None:
         return _fwd_op(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, float(eps),
-                       conv_weights, dilation, query_start_loc, keep, _checks.validating(validate))
+                       conv_weights, dilation, query_start_loc, keep, ceps, unit_offset, _checks.validating(validate))
     return _serving_op(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, float(eps),
                        conv_weights, dilation, query_start_loc, keep, conv_state, state_indices, has_initial_states,
-                       token_indices, null_slot, _checks.validating(validate))
+                       token_indices, null_slot, ceps, unit_offset, _checks.validating(validate))

@@ -43,6 +43,9 @@ cached columns plus the new ones and keeps the last L outputs (S = 9 extra rows 
 Logits, generated tokens and gradients are those of the unpatched model (the tests
 compare them on a small random model, both backends).
 
+Qwen4Exp only: a config of the Engram family (``PLEConfig.engram``, ``"family": "engram"`` in a model's
+config, or a `TransformersPLELayer` built from one) is a ``ValueError`` naming the family.
+
 Not covered: a model whose PLE table was replaced by a quantized transformers module
 (`patch` raises ``TypeError``), and accelerate hooks on the PLE module itself (a
 ``device_map`` that places the PLE module as a unit): the hooks stay on the module that
@@ -102,6 +105,8 @@ class TransformersPLELayer(PLELayer):
 
     def __init__(self, config: PLEConfig, ple_layer_index: int, layer_idx: int, *, backend: str = "auto",
                  device: Device = None, dtype: torch.dtype | None = None) -> None:
+        if isinstance(config, PLEConfig):
+            _refuse_engram("config", config.family)
         super().__init__(config, ple_layer_index, backend=backend, device=device, dtype=dtype)
         self.layer_idx = _checks.int_arg("layer_idx", layer_idx, minimum=0)
 
@@ -235,11 +240,29 @@ def _share(layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
             sub._buffers[attr] = t
 
 
-def _ple_config(model: nn.Module) -> PLEConfig:
+def _refuse_engram(name: str, family: Any) -> None:
+    """``ValueError`` naming the Engram family when ``family`` is ``"engram"``: the patch serves Qwen4Exp only."""
+    if family == "engram":
+        raise ValueError(f"{name}: the Engram family (family='engram') cannot be patched: "
+                         f"ple.integrations.transformers swaps the modules of a transformers Qwen4Exp model only; "
+                         f"build an Engram layer as ple.PLELayer(ple.PLEConfig.engram(...), i) (docs/engram.md)")
+
+
+def _text_config_dict(model: nn.Module) -> dict[str, Any]:
+    """The model's text config as a dict, after refusing a config of the Engram family (its text config's
+    ``family``, or a whole model config's)."""
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "get_text_config"):
         raise TypeError(f"model: expected a transformers model (with .config), got {type(model).__name__}")
-    return PLEConfig.from_dict(config.get_text_config(decoder=True).to_dict())
+    text = config.get_text_config(decoder=True).to_dict()
+    _refuse_engram("model", text.get("family", getattr(config, "family", None)))
+    return text
+
+
+def _ple_config(model: nn.Module) -> PLEConfig:
+    config = PLEConfig.from_dict(_text_config_dict(model))
+    _refuse_engram("model", config.family)
+    return config
 
 
 def _ple_modules(model: nn.Module,
@@ -257,13 +280,15 @@ def patch(model: nn.Module, backend: str = "auto") -> nn.Module:
 
     In place, and idempotent: patching a patched model only sets ``backend`` on its layers.
     ``backend`` is ``"auto"``, ``"reference"`` or ``"triton"`` (see the module docstring).
-    ``ValueError`` if the model has no PLE module (its config has no ``ple_layer_ids``);
-    ``TypeError`` if ``model`` is not a transformers model. See `unpatch`.
+    ``ValueError`` if the model has no PLE module (its config has no ``ple_layer_ids``), or if its config is
+    of the Engram family (``"family": "engram"``: DeepSeek's Engram has no transformers model to patch; see
+    docs/engram.md); ``TypeError`` if ``model`` is not a transformers model. See `unpatch`.
     """
     hf = _modeling()
     if not isinstance(model, nn.Module) or not hasattr(getattr(model, "config", None), "get_text_config"):
         raise TypeError(f"model: expected a transformers model, got {type(model).__name__}")
     resolve_backend(backend)                                   # a bad name fails before anything changes
+    _text_config_dict(model)                                   # an Engram config fails here, before anything
     found = _ple_modules(model, (hf.Qwen4ExpTextPLELayer, TransformersPLELayer))
     if not found:
         raise ValueError(f"model: {type(model).__name__} has no PLE module (Qwen4ExpTextPLELayer); its config's "

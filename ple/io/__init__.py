@@ -2,9 +2,10 @@
 
 * `load_layer` / `load_layers`: from a file, a directory or a sharded index (the
   directory or its ``model.safetensors.index.json``), with any key prefix (the model's is
-  ``model.language_model.layers.{i}.ple.``), the table whole or in ``split_ngram_parts``
-  shards, float, FP8 or int8, separate or merged kv projection; every key checked against
-  the config first (see ``ple.io.layout``).
+  ``model.language_model.layers.{i}.ple.``; an Engram-family checkpoint's ``layers.{i}.engram.``),
+  the table whole or in ``split_ngram_parts`` shards, float, FP8 or int8, separate or merged kv
+  projection; every key checked against the config first (see ``ple.io.layout``). Both families
+  (``PLEConfig.family``) go through every function here; ``config.json`` keeps the family.
 * `read_table_rows`: rows ``[start, end)`` of one layer's table (e.g. one rank's share of
   a sharded table), checked as `load_layer` checks, reading only the shards and rows
   that hold them; `read_table` reads the whole table the same way.

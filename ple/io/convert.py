@@ -22,7 +22,18 @@ from .. import _checks
 from ..config import PLEConfig
 from ..quant import Scheme
 from .files import Checkpoint, Entry, dtype_name
-from .layout import BUFFERS, KEY_PROJ, KV_PROJ, VALUE_PROJ, LayerPlan, find_layers, plan_layer
+from .layout import (
+    BUFFERS,
+    KEY_BIAS,
+    KEY_PROJ,
+    KV_BIAS,
+    KV_PROJ,
+    VALUE_BIAS,
+    VALUE_PROJ,
+    LayerPlan,
+    find_layers,
+    plan_layer,
+)
 from .load import BLOCK_BYTES, CONFIG_METADATA_KEY, identify_index, resolve_config
 from .policy import mark_config, mark_metadata, problems_of, refuse_unless_ple_only
 from .save import CheckpointTable, parse_table_dtype, prepare_dst, table_entries, tensor_entry, write_checkpoint
@@ -73,8 +84,8 @@ def convert(src: str | os.PathLike[str] | list[str | os.PathLike[str]] | tuple[s
     ckpt, cfg = open_source(src, config, parts)
     target = parse_table_dtype(table_dtype)
     plans = layer_plans(ckpt, cfg, "src")
-    problems = problems_of((target if isinstance(target, Scheme) else plan.scheme if target is None else None,
-                             plan.merged_kv if merged_kv is None else merged_kv) for plan in plans)
+    problems = problems_of(((target if isinstance(target, Scheme) else plan.scheme if target is None else None,
+                             plan.merged_kv if merged_kv is None else merged_kv) for plan in plans), cfg.family)
     refuse_unless_ple_only(problems, ple_only)
     dst_path = Path(dst)
     if any(f.resolve() in ((dst_path / f.name).resolve(), dst_path.resolve()) for f in ckpt.files):
@@ -95,6 +106,8 @@ def convert(src: str | os.PathLike[str] | list[str | os.PathLike[str]] | tuple[s
             first = p + (KV_PROJ if plan.merged_kv else KEY_PROJ)
             proj[first] = (plan, want)
             drop.update([p + KV_PROJ] if plan.merged_kv else [p + KEY_PROJ, p + VALUE_PROJ])
+            if plan.biases:                                      # the Engram family's, merged or split with them
+                drop.update([p + KV_BIAS] if plan.merged_kv else [p + KEY_BIAS, p + VALUE_BIAS])
 
     entries = []
     for key in ckpt.keys():
@@ -197,8 +210,13 @@ def _kv_entries(ckpt: Checkpoint, plan: LayerPlan, merged: bool) -> list[Entry]:
     if plan.proj_scales:
         raise ValueError(f"merged_kv: {p} has FP8 projections ({sorted(plan.proj_scales)}); merging or "
                          f"splitting them is not supported, keep merged_kv=None")
-    if merged:
-        kv = torch.cat([ckpt.read(p + KEY_PROJ), ckpt.read(p + VALUE_PROJ).to(ckpt.info(p + KEY_PROJ).dtype)])
-        return [tensor_entry(p + KV_PROJ, kv)]
-    kv = ckpt.read(p + KV_PROJ)
-    return [tensor_entry(p + KEY_PROJ, kv[:C]), tensor_entry(p + VALUE_PROJ, kv[C:])]
+    pairs = [(KEY_PROJ, VALUE_PROJ, KV_PROJ)] + ([(KEY_BIAS, VALUE_BIAS, KV_BIAS)] if plan.biases else [])
+    out = []
+    for key, value, kv_key in pairs:
+        if merged:
+            kv = torch.cat([ckpt.read(p + key), ckpt.read(p + value).to(ckpt.info(p + key).dtype)])
+            out.append(tensor_entry(p + kv_key, kv))
+        else:
+            kv = ckpt.read(p + kv_key)
+            out += [tensor_entry(p + key, kv[:C]), tensor_entry(p + value, kv[C:])]
+    return out

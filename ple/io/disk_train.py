@@ -18,6 +18,7 @@ bits of the same training on the in-memory table.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import weakref
 from pathlib import Path
@@ -59,10 +60,15 @@ def sample_ids(n: int) -> torch.Tensor:
 def base_fingerprint(ckpt: Checkpoint, plan: LayerPlan, table: DiskTable) -> dict[str, Any]:
     """What identifies the base an overlay trains: the layer's config and prefix, the table's shape and
     dtype, its files (names and sizes) and a hash of ``SAMPLE_ROWS`` of its rows (two checkpoints of one
-    config differ there). Reads ``SAMPLE_ROWS`` rows; moving the checkpoint's folder changes nothing."""
+    config differ there). Reads ``SAMPLE_ROWS`` rows; moving the checkpoint's folder changes nothing. An Engram
+    config's ``token_map`` (one id per token: 129280 in the demo) is kept as its SHA-256, so that the manifest each
+    flush writes stays small."""
     n = table.num_rows
     sample = table._read(sample_ids(n)).view(torch.uint8)
-    return {"config": plan.config.to_dict(), "prefix": plan.prefix, "rows": n, "dim": table.dim,
+    config = plan.config.to_dict()
+    if config.get("token_map") is not None:
+        config["token_map"] = "sha256:" + hashlib.sha256(json.dumps(config["token_map"]).encode()).hexdigest()
+    return {"config": config, "prefix": plan.prefix, "rows": n, "dim": table.dim,
             "table_dtype": dtype_name(plan.table_dtype) + (" nf4" if table._packed else ""),
             "files": sorted([Path(f).name, Path(f).stat().st_size] for f in table.files),
             "sample_sha256": hashlib.sha256(sample.numpy().tobytes()).hexdigest()}

@@ -62,9 +62,11 @@ def inspect(path: CheckpointSource, config: ConfigSource = None) -> dict[str, An
     would raise. Reads headers and the int64 hash buffers only, never a table.
 
     Each tensor row has ``shape`` (a list; None when shards differ) and ``shapes`` (one list per
-    shard). ``ple_only`` lists why transformers would load these PLE layers wrong (a quantized
-    table, a merged ``kv_proj``; empty: it loads them right), and ``ple_only_marked`` whether
-    the checkpoint says so itself (``ple_only=True`` of `save` / `convert`).
+    shard). ``family``: the config's (``"qwen4exp"``, ``"engram"``; None without a config).
+    ``ple_only`` lists why transformers would load these PLE layers wrong (a quantized
+    table, a merged ``kv_proj``; an Engram checkpoint: it cannot load it at all; empty: it loads them
+    right), and ``ple_only_marked`` whether the checkpoint says so itself (``ple_only=True`` of
+    `save` / `convert`; an Engram checkpoint ``save`` writes is always marked).
     """
     ckpt = Checkpoint.open(path)
     config_error = None
@@ -110,10 +112,12 @@ def inspect(path: CheckpointSource, config: ConfigSource = None) -> dict[str, An
                     entry["unknown"] = [k[len(prefix):] for k in plan.unknown]
                     kind = "float" if plan.scheme is None else plan.scheme.name
                     entry["table"] = dict(rows=plan.num_rows, dim=plan.dim, scheme=kind, parts=plan.parts,
-                                          dtype=dtype_name(plan.table_dtype), merged_kv=plan.merged_kv)
+                                          dtype=dtype_name(plan.table_dtype), merged_kv=plan.merged_kv,
+                                          biases=plan.biases)
                     kinds.append((plan.scheme, plan.merged_kv))
         report["layers"].append(entry)
-    report["ple_only"] = problems_of(kinds)
+    report["family"] = None if cfg is None else cfg.family
+    report["ple_only"] = problems_of(kinds, "qwen4exp" if cfg is None else cfg.family)
     report["ple_only_marked"] = is_marked(ckpt)
     others = [k for k in ckpt.keys() if k not in claimed]
     report["other"] = dict(count=len(others), bytes=sum(ckpt.info(k).nbytes for k in others))
@@ -136,9 +140,17 @@ def format_inspect(report: dict[str, Any]) -> str:
         why = f" ({report['config_error']})" if report.get("config_error") else ""
         lines.append(f"config: none found{why}; pass --config; hash buffers not checked")
     else:
+        if report.get("family") == "engram":
+            tmap = cfg.get("token_map")
+            lines.append(f"family: engram (DeepSeek's Engram module): engram_vocab_size={cfg['engram_vocab_size']} "
+                         f"pad_id={cfg['eos_token_id']} token_map="
+                         f"{'none (identity)' if tmap is None else f'{len(tmap)} ids -> {max(tmap, default=-1) + 1}'}")
+            ids = "layer_ids"
+        else:
+            ids = "ple_layer_ids"
         lines.append(f"config: V={cfg['vocab_size']} H={cfg['hidden_size']} M={cfg['hc_count']} "
                      f"E={cfg['ple_embed_dim']} N={cfg['ngram_size']} P={cfg['heads_per_ngram']} "
-                     f"ple_layer_ids={cfg['ple_layer_ids']} split_ngram_parts={cfg['split_ngram_parts']}")
+                     f"{ids}={cfg['ple_layer_ids']} split_ngram_parts={cfg['split_ngram_parts']}")
     if not report["layers"]:
         lines.append("no PLE layer found")
     for layer in report["layers"]:
@@ -150,7 +162,8 @@ def format_inspect(report: dict[str, Any]) -> str:
         if t is not None:
             where = f"{t['parts']} shards" if t["parts"] else "whole"
             lines.append(f"  table: {t['rows']} rows x {t['dim']}, {t['dtype']} ({t['scheme']}), {where}; "
-                         f"projections {'merged kv_proj' if t['merged_kv'] else 'key_proj + value_proj'}")
+                         f"projections {'merged kv_proj' if t['merged_kv'] else 'key_proj + value_proj'}"
+                         f"{' with biases' if t.get('biases') else ''}")
         width = max([len(r["key"]) for r in layer["tensors"]] + [10])
         lines.append(f"  {'tensor':<{width}}  {'shape':<22} {'dtype':<14} {'bytes':>12}")
         for r in layer["tensors"]:
@@ -168,7 +181,12 @@ def format_inspect(report: dict[str, Any]) -> str:
             lines.append(f"  unknown keys (skipped on load): {layer['unknown']}")
         if layer["error"]:
             lines.append(f"  ERROR (load would fail): {layer['error']}")
-    if report["ple_only"]:
+    if report.get("family") == "engram" and report["layers"]:
+        lines.append("")
+        mark = "marked so in the checkpoint" if report["ple_only_marked"] else "NOT marked in the checkpoint"
+        lines.append(f"transformers: cannot load it ({mark}): it has no model of the Engram family (only the "
+                     f"Qwen4Exp family maps to a transformers model); load it with ple.io.load_layer")
+    elif report["ple_only"]:
         lines.append("")
         mark = "marked so in the checkpoint" if report["ple_only_marked"] else "NOT marked in the checkpoint"
         lines.append(f"for ple only ({mark}): transformers would load it wrong:")

@@ -1,6 +1,8 @@
 """The model's checkpoint layout of a PLE layer, and the validation of one layer's tensors.
 
-Keys, under a per-layer prefix (the model's is ``model.language_model.layers.{i}.ple.``)::
+Keys, under a per-layer prefix: the Qwen4Exp model's ``model.language_model.layers.{i}.ple.`` (``i`` the
+0-based decoder layer, ``ple_layer_ids[L] - 1`` for PLE index L), or, for the Engram family (``PLEConfig.engram``),
+``layers.{i}.engram.`` (``i`` the demo's own 0-based layer id, ``layer_ids[L]``; `model_prefix` gives either)::
 
     ple_embedding.ngram_embedding.weight              [rows, D]   the table, unsharded, or
     ple_embedding.ngram_embedding.shard_{k}.weight    [n_k, D]    k = 0..parts-1; shard k holds rows
@@ -20,6 +22,13 @@ Keys, under a per-layer prefix (the model's is ``model.language_model.layers.{i}
         dequantizes it to the model dtype
     norm_key.weight, norm_query.weight, norm_conv.weight   [C]
     conv1d.weight                                     [C, 1, K]
+    key_proj.bias [C] and value_proj.bias [H], or kv_proj.bias [C + H] beside kv_proj.weight (key first):
+        the Engram family only, and there required (float; never FP8)
+
+The Engram family is saved in ple's own names above (its ``state_dict`` speaks the demo module's
+keys; a checkpoint does not): the hash buffers hold its multipliers, head sizes and offsets
+(``hash_params``), and its ``token_map`` lives in the config (``config.json`` and the files'
+metadata), not in a tensor.
 
 `plan_layer` checks every key of one layer against a config without reading the
 table, and returns a `LayerPlan` that says where every row lives.
@@ -29,7 +38,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import NoReturn, cast
+from typing import TYPE_CHECKING, NoReturn, cast
 
 import torch
 
@@ -38,9 +47,13 @@ from ..quant import Scheme, scheme_of
 from ..reference.hashing import hash_params
 from .files import Checkpoint, TensorInfo, dtype_name
 
+if TYPE_CHECKING:
+    from ..layer import PLELayer
+
 __all__ = [
     "TABLE", "TABLE_SCALE", "SHARD", "SHARD_SCALE", "BUFFERS", "KEY_PROJ", "VALUE_PROJ", "KV_PROJ", "NORMS",
-    "CONV", "MODEL_PREFIX", "model_prefix", "shard_rows", "find_layers", "LayerPlan", "TablePiece",
+    "CONV", "KEY_BIAS", "VALUE_BIAS", "KV_BIAS", "MODEL_PREFIX", "ENGRAM_PREFIX", "prefix_template", "decoder_layer",
+    "model_prefix", "layer_prefixes", "layer_tensors", "shard_rows", "find_layers", "LayerPlan", "TablePiece",
     "plan_layer", "BufferCheck",
 ]
 
@@ -53,17 +66,65 @@ BUFFERS = ("ple_embedding.layer_multipliers", "ple_embedding.ngram_heads_vocab_s
 KEY_PROJ, VALUE_PROJ, KV_PROJ = "key_proj.weight", "value_proj.weight", "kv_proj.weight"
 NORMS = ("norm_key.weight", "norm_query.weight", "norm_conv.weight")
 CONV = "conv1d.weight"
+KEY_BIAS, VALUE_BIAS, KV_BIAS = "key_proj.bias", "value_proj.bias", "kv_proj.bias"
+"""The Engram family's projection biases (``[C]``, ``[H]``; merged: ``[C + H]``, key first)."""
 MODEL_PREFIX = "model.language_model.layers.{i}.ple."
 """The model's prefix; ``{i}`` is the 0-based decoder layer, ``ple_layer_ids[L] - 1`` for PLE index L."""
+ENGRAM_PREFIX = "layers.{i}.engram."
+"""The Engram family's prefix; ``{i}`` is the demo's (0-based) layer id, ``layer_ids[L]`` for PLE index L."""
 
 _SHARD_RE = re.compile(r"^ple_embedding\.ngram_embedding\.shard_(\d+)\.(weight|weight_scale)$")
 _LAYER_RE = re.compile(r"^((?:.*\.)?)ple_embedding\."
                        r"(?:ngram_embedding\.(?:shard_\d+\.)?weight|layer_multipliers)$")
 
 
+def prefix_template(config: PLEConfig) -> str:
+    """The family's default key prefix, to format with ``i`` (`decoder_layer`): `MODEL_PREFIX` (Qwen4Exp) or
+    `ENGRAM_PREFIX` (Engram)."""
+    return ENGRAM_PREFIX if config.family == "engram" else MODEL_PREFIX
+
+
+def decoder_layer(config: PLEConfig, ple_layer_index: int) -> int:
+    """The 0-based decoder layer of PLE index ``ple_layer_index``: ``ple_layer_ids[L] - 1`` (Qwen4Exp's ids are
+    1-based), or the Engram demo's own 0-based ``layer_ids[L]``."""
+    lid = config.ple_layer_ids[ple_layer_index]
+    return lid if config.family == "engram" else lid - 1
+
+
 def model_prefix(config: PLEConfig, ple_layer_index: int) -> str:
-    """The model's key prefix of PLE layer ``ple_layer_index``: ``model.language_model.layers.{i}.ple.``."""
-    return MODEL_PREFIX.format(i=config.ple_layer_ids[ple_layer_index] - 1)
+    """The default key prefix of PLE layer ``ple_layer_index``: ``model.language_model.layers.{i}.ple.`` (the
+    Qwen4Exp model's), or ``layers.{i}.engram.`` for the Engram family (see `decoder_layer` for ``i``)."""
+    return prefix_template(config).format(i=decoder_layer(config, ple_layer_index))
+
+
+def layer_prefixes(config: PLEConfig, indices: list[int], prefix: str | None) -> list[str]:
+    """The prefixes of PLE indices ``indices``: ``prefix`` (default `prefix_template`) formatted with ``i``
+    (`decoder_layer`) and ``index`` (the PLE index); the same prefix twice is a ``ValueError`` naming ``prefix``."""
+    template = prefix_template(config) if prefix is None else prefix
+    out = [template.format(i=decoder_layer(config, k), index=k) for k in indices]
+    if len(set(out)) != len(out):
+        raise ValueError(f"prefix: {template!r} gives the same prefix to several layers; use {{i}} or {{index}}")
+    return out
+
+
+def layer_tensors(layer: PLELayer, *, merged_kv: bool = False) -> list[tuple[str, torch.Tensor]]:
+    """Every tensor of ``layer`` but its table, by its key under the layer's prefix, as the layer holds it (not
+    detached, not moved; a parameter FSDP2 shards stays a DTensor): the hash buffers, the projections (merged
+    into ``kv_proj`` with ``merged_kv``) and, for the Engram family, their biases, the norms and the conv."""
+    e = layer.ple_embedding
+    out: list[tuple[str, torch.Tensor]] = list(zip(
+        BUFFERS, (e.layer_multipliers, e.ngram_heads_vocab_sizes, e.ngram_heads_offsets), strict=True))
+    kb, vb = layer.key_proj.bias, layer.value_proj.bias
+    if merged_kv:
+        out.append((KV_PROJ, torch.cat([layer.key_proj.weight, layer.value_proj.weight])))   # key rows first
+        if kb is not None and vb is not None:
+            out.append((KV_BIAS, torch.cat([kb, vb])))
+    else:
+        out += [(KEY_PROJ, layer.key_proj.weight), (VALUE_PROJ, layer.value_proj.weight)]
+        out += [(k, b) for k, b in ((KEY_BIAS, kb), (VALUE_BIAS, vb)) if b is not None]
+    out += list(zip(NORMS, (layer.norm_key.weight, layer.norm_query.weight, layer.norm_conv.weight), strict=True))
+    out.append((CONV, layer.conv1d.weight))
+    return out
 
 
 def shard_rows(num_rows: int, parts: int) -> list[tuple[int, int]]:
@@ -126,6 +187,7 @@ class LayerPlan:
     buffers: list[BufferCheck]
     unknown: list[str] = field(default_factory=list)   # full keys, skipped
     proj_scales: dict[str, str] = field(default_factory=dict)    # FP8 projection key -> its weight_scale key
+    biases: bool = False                     # the Engram family's projection biases (KEY_BIAS / VALUE_BIAS, KV_BIAS)
 
     @property
     def parts(self) -> int:
@@ -309,6 +371,16 @@ def plan_layer(ckpt: Checkpoint, config: PLEConfig, ple_layer_index: int, prefix
                                   f"{[list(a) for a in allowed]}, got {seen}")
             proj_scales[key] = sk
             known.add(sk)
+    bias_shapes = {KV_BIAS: (C + H,)} if merged else {KEY_BIAS: (C,), VALUE_BIAS: (H,)}
+    if config.family == "engram":                                # the Engram family's projections have biases
+        for bias, size in bias_shapes.items():
+            _expect(ckpt, prefix, bias, size, what="the Engram family's projection bias")
+            known.add(bias)
+    else:
+        found = [k for k in (KEY_BIAS, VALUE_BIAS, KV_BIAS) if k in mine]
+        if found:
+            _fail(prefix, found[0], "a projection bias, but the config is of the Qwen4Exp family, whose projections "
+                                    "have none; is this an Engram checkpoint (PLEConfig.engram, family 'engram')?")
     for n in NORMS:
         norm = _expect(ckpt, prefix, n, (C,))
     _expect(ckpt, prefix, CONV, (C, 1, K))
@@ -319,4 +391,4 @@ def plan_layer(ckpt: Checkpoint, config: PLEConfig, ple_layer_index: int, prefix
                      table_dtype=table_dtype, scheme=scheme, pieces=pieces, sharded=keys != [TABLE],
                      scale_key=scale_key, merged_kv=merged, buffers=checks, unknown=unknown,
                      model_dtype=norm.dtype if proj_scales else ckpt.info(prefix + next(iter(shapes))).dtype,
-                     proj_scales=proj_scales)
+                     proj_scales=proj_scales, biases=config.family == "engram")

@@ -31,11 +31,14 @@ from .files import Checkpoint, dtype_name
 from .layout import (
     BUFFERS,
     CONV,
+    KEY_BIAS,
     KEY_PROJ,
+    KV_BIAS,
     KV_PROJ,
     NORMS,
     TABLE,
     TABLE_SCALE,
+    VALUE_BIAS,
     VALUE_PROJ,
     LayerPlan,
     find_layers,
@@ -304,14 +307,43 @@ def _state_dict(ckpt: Checkpoint, plan: LayerPlan, *, device: torch.device, dtyp
     for check in plan.buffers:
         values = check.found if check.found is not None else check.expected
         sd[check.key] = torch.tensor(values, dtype=torch.int64, device=device)
+    C = cfg.hc_hidden_size
     if plan.merged_kv:
         kv = small(KV_PROJ)
-        sd[KEY_PROJ], sd[VALUE_PROJ] = kv[: cfg.hc_hidden_size].clone(), kv[cfg.hc_hidden_size:].clone()
+        sd[KEY_PROJ], sd[VALUE_PROJ] = kv[:C].clone(), kv[C:].clone()
+        if plan.biases:                                         # the Engram family's, key first
+            kv_bias = small(KV_BIAS)
+            sd[KEY_BIAS], sd[VALUE_BIAS] = kv_bias[:C].clone(), kv_bias[C:].clone()
     else:
         sd[KEY_PROJ], sd[VALUE_PROJ] = small(KEY_PROJ), small(VALUE_PROJ)
+        if plan.biases:
+            sd[KEY_BIAS], sd[VALUE_BIAS] = small(KEY_BIAS), small(VALUE_BIAS)
     for key in NORMS + (CONV,):
         sd[key] = small(key)
     return sd
+
+
+def _assign(layer: PLELayer, sd: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Put ``sd`` (ple's own names, `_state_dict`) into ``layer``, built on ``meta``: every tensor assigned, strictly.
+
+    Loaded child by child rather than through ``layer.load_state_dict``: an Engram-family layer's ``state_dict``
+    hooks speak the demo module's keys and compare the offsets with the layer's own (on ``meta``: no values);
+    ``plan_layer`` has checked the buffers against the config already. The layer holds no tensor of its own, so
+    each child's strict load covers every key. The Engram family's ``token_map`` buffer, which no checkpoint holds
+    (the config does), is made on ``device``.
+    """
+    children = dict(layer.named_children())
+    parts: dict[str, dict[str, torch.Tensor]] = {name: {} for name in children}
+    for key, t in sd.items():
+        head, _, rest = key.partition(".")
+        if head not in parts:
+            raise ValueError(f"{key}: not a tensor of a PLE layer")          # (a bug: _state_dict makes the keys)
+        parts[head][rest] = t
+    for name, child in children.items():
+        child.load_state_dict(parts[name], strict=True, assign=True)
+    tmap = hash_params(layer.config, layer.ple_layer_index).token_map
+    if tmap is not None:
+        layer.ple_embedding.token_map = tmap.to(device)
 
 
 @overload
@@ -334,7 +366,10 @@ def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_in
     a dict, a ``config.json`` path or a preset name; default: the config saved in the
     checkpoint, else ``config.json`` beside it. ``prefix``: the layer's key prefix
     (default: found, see `select_prefix`; the model's is
-    ``model.language_model.layers.{i}.ple.``).
+    ``model.language_model.layers.{i}.ple.``, an Engram checkpoint's ``layers.{i}.engram.``).
+    An Engram-family config (``PLEConfig.engram``, kept in the checkpoint by ``save``) loads an
+    Engram layer, its projection biases included; every placement, quantized table and the
+    disk table's overlay work for it as for the Qwen4Exp family.
 
     Every key is checked before anything large is read: a missing or mis-shaped tensor,
     a table given both whole and sharded or with a missing shard (the last one too),
@@ -430,7 +465,7 @@ def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_in
         table = None if plan.scheme is None else QuantizedTable.empty(plan.num_rows, plan.dim, plan.scheme,
                                                                        device="meta")
     layer = PLELayer(cfg, ple_layer_index, backend=backend, device="meta", dtype=dtype, table=table)
-    layer.load_state_dict(sd, strict=True, assign=True)
+    _assign(layer, sd, device)
     return (layer, report) if return_report else layer
 
 

@@ -224,7 +224,7 @@ def _write(ckpt: Checkpoint, cfg: Any, plans: list[LayerPlan], stores: dict[int,
             return target if isinstance(target, Scheme) else None
         return None if k in stores else plans[k].scheme
 
-    problems = problems_of((kind(k), plan.merged_kv) for k, plan in enumerate(plans))
+    problems = problems_of(((kind(k), plan.merged_kv) for k, plan in enumerate(plans)), cfg.family)
     refuse_unless_ple_only(problems, ple_only)
     sources: dict[str, tuple[int, _TableSource]] = {}   # first table key of a layer -> (position, its source)
     drop = set()

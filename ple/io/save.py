@@ -25,18 +25,13 @@ from ..config import PLEConfig
 from ..quant import SCHEMES, Scheme, dequantize, fp8_scale, quantize, scheme_of
 from .files import Checkpoint, Entry, write_file, write_files
 from .layout import (
-    BUFFERS,
-    CONV,
-    KEY_PROJ,
-    KV_PROJ,
-    MODEL_PREFIX,
-    NORMS,
     SHARD,
     SHARD_SCALE,
     TABLE,
     TABLE_SCALE,
-    VALUE_PROJ,
     LayerPlan,
+    layer_prefixes,
+    layer_tensors,
     shard_rows,
 )
 from .load import BLOCK_BYTES, CONFIG_METADATA_KEY, table_blocks
@@ -197,20 +192,8 @@ def tensor_entry(key: str, t: torch.Tensor) -> Entry:
 
 def _layer_entries(layer: PLELayer, prefix: str, *, parts: int, merged_kv: bool, table_dtype: TableDtype,
                    block_bytes: int) -> list[Entry]:
-    e = layer.ple_embedding
-    out = table_entries(_MemoryTable(e.ngram_embedding), prefix, parts, table_dtype, block_bytes)
-    buffers = (e.layer_multipliers, e.ngram_heads_vocab_sizes, e.ngram_heads_offsets)
-    for key, t in zip(BUFFERS, buffers, strict=True):
-        out.append(tensor_entry(prefix + key, t))
-    if merged_kv:
-        kv = torch.cat([layer.key_proj.weight, layer.value_proj.weight])     # [C + H, E], key rows first
-        out.append(tensor_entry(prefix + KV_PROJ, kv))
-    else:
-        out += [tensor_entry(prefix + KEY_PROJ, layer.key_proj.weight),
-                tensor_entry(prefix + VALUE_PROJ, layer.value_proj.weight)]
-    for key, mod in zip(NORMS, (layer.norm_key, layer.norm_query, layer.norm_conv), strict=True):
-        out.append(tensor_entry(prefix + key, mod.weight))
-    out.append(tensor_entry(prefix + CONV, layer.conv1d.weight))
+    out = table_entries(_MemoryTable(layer.ple_embedding.ngram_embedding), prefix, parts, table_dtype, block_bytes)
+    out += [tensor_entry(prefix + key, t) for key, t in layer_tensors(layer, merged_kv=merged_kv)]
     return out
 
 
@@ -259,19 +242,27 @@ def save(layers: PLELayer | list[PLELayer] | tuple[PLELayer, ...], path: str | o
     each file's metadata (``ple.config``), so `load_layer` needs no config argument.
 
     ``prefix``: a key prefix, formatted with ``i`` (0-based decoder layer,
-    ``ple_layer_ids[L] - 1``) and ``index`` (the PLE index L); default the model's
-    ``model.language_model.layers.{i}.ple.``. ``parts``: table shards (default the
-    config's ``split_ngram_parts``; 0 writes the table whole as
+    ``ple_layer_ids[L] - 1``; the Engram family's own 0-based ``layer_ids[L]``) and ``index``
+    (the PLE index L); default the model's ``model.language_model.layers.{i}.ple.``, and
+    ``layers.{i}.engram.`` for the Engram family (``ple.io.layout``). ``parts``: table shards
+    (default the config's ``split_ngram_parts``; 0 writes the table whole as
     ``ple_embedding.ngram_embedding.weight``). ``merged_kv``: write one
     ``kv_proj.weight`` (``[C + H, E]``, key rows first) instead of ``key_proj`` and
-    ``value_proj``. ``table_dtype``: keep (None), ``"bfloat16"`` / ``"float16"`` /
-    ``"float32"``, or quantize: ``"fp8"`` / ``"int8"`` / ``"nf4"`` (``ple.quant``; an NF4 table is
-    uint8 ``[rows, D/2 + 4]`` rows holding their own float16 scales, and has no ``weight_scale``).
+    ``value_proj`` (an Engram layer's biases too: one ``kv_proj.bias`` ``[C + H]``). ``table_dtype``:
+    keep (None), ``"bfloat16"`` / ``"float16"`` / ``"float32"``, or quantize: ``"fp8"`` / ``"int8"`` /
+    ``"nf4"`` (``ple.quant``; an NF4 table is uint8 ``[rows, D/2 + 4]`` rows holding their own float16
+    scales, and has no ``weight_scale``).
+
+    An Engram-family layer is saved in ple's names (not its ``state_dict``'s demo keys), with its
+    projection biases ``key_proj.bias`` / ``value_proj.bias``; the config (``family``,
+    ``engram_vocab_size``, ``token_map``) goes in ``config.json`` and the files' metadata.
 
     transformers loads a float table with separate projections right, and would load a
     quantized table or a merged ``kv_proj`` wrong (``ple.io.policy``): those are a
     ``ValueError`` unless ``ple_only=True``, which writes them with ``"ple_only"`` (the
     reasons) in ``config.json`` and ``ple.only`` in each file's metadata, as `inspect` reports.
+    transformers has no Engram model at all: an Engram checkpoint is always written so marked,
+    with no ``ple_only=True`` needed (there is no form of it transformers loads).
 
     ``optimizer``: a ``ple.optim`` optimizer training these layers' tables (all of them, and no
     other): its state is written beside the table, in ``path/optimizer/`` in the table's shard
@@ -296,14 +287,9 @@ def save(layers: PLELayer | list[PLELayer] | tuple[PLELayer, ...], path: str | o
     table_dtype = parse_table_dtype(table_dtype)
     schemes = {table_dtype if table_dtype is not None else scheme_of(la.table.weight.dtype) for la in layers}
     scheme = next((s for s in schemes if isinstance(s, Scheme)), None)
-    problems = transformers_problems(scheme, merged_kv)
+    problems = transformers_problems(scheme, merged_kv, family=cfg.family)
     refuse_unless_ple_only(problems, ple_only)
-    template = MODEL_PREFIX if prefix is None else prefix
-    prefixes = [template.format(i=cfg.ple_layer_ids[layer.ple_layer_index] - 1, index=layer.ple_layer_index)
-                for layer in layers]
-    if len(set(prefixes)) != len(prefixes):
-        raise ValueError(f"prefix: {template!r} gives the same prefix to several layers; use {{i}} or "
-                         f"{{index}}")
+    prefixes = layer_prefixes(cfg, [layer.ple_layer_index for layer in layers], prefix)
     if optimizer is not None:
         if str(path).endswith(".safetensors"):
             raise ValueError("optimizer: its state is saved in the checkpoint directory's optimizer/ folder; pass "

@@ -26,7 +26,7 @@ from ..config import PLEConfig
 from ..params import HashParams
 
 __all__ = ["HashParams", "hash_params", "splitmix64", "primes_from", "layer_multipliers", "ngram_ids", "ngram_windows",
-           "ngrams_of_rows"]
+           "ngrams_of_rows", "engram_multipliers", "engram_head_sizes"]
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -89,6 +89,42 @@ def layer_multipliers(vocab_size: int, ngram_size: int, seed: int, ple_layer_ind
     return [2 * (splitmix64((base + _GOLDEN * (i + 1)) & _MASK64) % half) + 1 for i in range(ngram_size)]
 
 
+def engram_multipliers(token_vocab_size: int, ngram_size: int, seed: int, layer_id: int) -> list[int]:
+    """The Engram family's N multipliers of decoder layer ``layer_id`` (docs/spec.md section 15):
+    ``half = max(1, ((2**63 - 1) // V') // 2)``, ``r = numpy.random.default_rng(seed + 10007 * layer_id)
+    .integers(0, half, size=N, dtype=int64)``, ``m = 2 * r + 1``. NumPy's generator is the definition."""
+    import numpy as np
+
+    half = max(1, ((2**63 - 1) // max(token_vocab_size, 1)) // 2)
+    r = np.random.default_rng(seed + _LAYER_STRIDE * layer_id).integers(0, half, size=ngram_size, dtype=np.int64)
+    return [2 * int(v) + 1 for v in r]
+
+
+@functools.lru_cache(maxsize=16)
+def engram_head_sizes(engram_vocab_size: tuple[int, ...], heads_per_ngram: int,
+                      layer_ids: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """The Engram family's head sizes, one tuple of ``(N-1) * P`` primes per layer id (docs/spec.md section 15).
+
+    A set of primes seen starts empty; for each layer id in order, each order n = 2..N, each of its P
+    heads in turn: the smallest prime above ``start`` not yet seen (``start`` is ``engram_vocab_size[n-2] - 1``
+    at each order's first head, then the prime just taken). Primes are distinct across orders and layers."""
+    seen: set[int] = set()
+    out = []
+    for _ in layer_ids:
+        sizes: list[int] = []
+        for base in engram_vocab_size:
+            start = base - 1
+            for _ in range(heads_per_ngram):
+                p = start + 1
+                while p in seen or not _is_prime(p):
+                    p += 1
+                seen.add(p)
+                sizes.append(p)
+                start = p
+        out.append(tuple(sizes))
+    return tuple(out)
+
+
 def hash_params(config: PLEConfig, ple_layer_index: int) -> HashParams:
     """Multipliers, head table sizes and offsets of PLE layer ``ple_layer_index`` (docs/spec.md section 2).
 
@@ -104,6 +140,11 @@ def hash_params(config: PLEConfig, ple_layer_index: int) -> HashParams:
         up to a multiple of ``make_ngram_vocab_size_divisible_by``; ``vocab_size`` V. The tensors are on torch's
         default device (the CPU unless changed).
 
+        An Engram-family config (docs/spec.md section 15) gives its layer's parameters instead: decoder layer
+        ``lid = config.ple_layer_ids[ple_layer_index]``, multipliers `engram_multipliers` of V' (the ids after
+        ``token_map``), sizes `engram_head_sizes` (distinct primes across orders and layers), ``num_rows`` their
+        sum (no padding), ``token_map`` as an int64 tensor (None without a map) and ``eos_rule`` False.
+
     Raises:
         TypeError: ``config`` is not a `PLEConfig`; ``ple_layer_index`` is not an int.
         ValueError: ``ple_layer_index`` is negative.
@@ -116,6 +157,8 @@ def hash_params(config: PLEConfig, ple_layer_index: int) -> HashParams:
     if not isinstance(config, PLEConfig):
         raise TypeError(f"config: expected a PLEConfig, got {type(config).__name__}")
     ple_layer_index = _checks.int_arg("ple_layer_index", ple_layer_index, minimum=0)   # a numpy int: a Python int
+    if config.family == "engram":
+        return _engram_hash_params(config, ple_layer_index)
     NH = config.num_ngram_heads
     mult = layer_multipliers(config.vocab_size, config.ngram_size, config.seed, ple_layer_index)
     # Layer L takes the NH consecutive primes after the first L * NH primes >= base.
@@ -135,6 +178,23 @@ def hash_params(config: PLEConfig, ple_layer_index: int) -> HashParams:
     )
 
 
+def _engram_hash_params(config: PLEConfig, ple_layer_index: int) -> HashParams:
+    """`hash_params` of an Engram-family config (docs/spec.md section 15)."""
+    if ple_layer_index >= config.num_ple_layers:
+        raise ValueError(f"ple_layer_index: the config has {config.num_ple_layers} layer(s) "
+                         f"(layer_ids={list(config.ple_layer_ids)}), got index {ple_layer_index}")
+    lid = config.ple_layer_ids[ple_layer_index]
+    mult = engram_multipliers(config.token_vocab_size, config.ngram_size, config.seed, lid)
+    sizes = engram_head_sizes(config.engram_vocab_size, config.heads_per_ngram,
+                              config.ple_layer_ids)[ple_layer_index]
+    offsets = [sum(sizes[:h]) for h in range(len(sizes))]
+    tmap = None if config.token_map is None else torch.tensor(config.token_map, dtype=torch.int64)
+    return HashParams(multipliers=torch.tensor(mult, dtype=torch.int64),
+                      head_sizes=torch.tensor(sizes, dtype=torch.int64),
+                      head_offsets=torch.tensor(offsets, dtype=torch.int64),
+                      num_rows=sum(sizes), vocab_size=config.vocab_size, token_map=tmap, eos_rule=False)
+
+
 def _request_token_lists(input_ids: torch.Tensor, ngram_size: int, eos_token_id: int,
                          query_start_loc: torch.Tensor | None,
                          ngram_context: torch.Tensor | None) -> list[torch.Tensor]:
@@ -152,9 +212,10 @@ def _request_token_lists(input_ids: torch.Tensor, ngram_size: int, eos_token_id:
     return [torch.cat([ctx[r], ids[query_start_loc_list[r]:query_start_loc_list[r + 1]]]) for r in range(R)]
 
 
-def _request_windows(seq: torch.Tensor, ngram_size: int, eos_token_id: int) -> torch.Tensor:
+def _request_windows(seq: torch.Tensor, ngram_size: int, eos_token_id: int, eos_rule: bool = True) -> torch.Tensor:
     """The window of every token of one request, ``[q, N]``: column k the token k positions back
-    (column 0 the token itself), after the EOS rule. ``seq`` is ``ctx ++ x`` (`_request_token_lists`)."""
+    (column 0 the token itself), after the EOS rule when ``eos_rule`` (the Engram family has none: every
+    entry is the token k back). ``seq`` is ``ctx ++ x`` (`_request_token_lists`), already mapped."""
     N = ngram_size
     q = seq.numel() - (N - 1)
     window = [seq[N - 1:]]                                      # w[0]: the token itself
@@ -162,23 +223,33 @@ def _request_windows(seq: torch.Tensor, ngram_size: int, eos_token_id: int) -> t
     for k in range(1, N):
         back = seq[N - 1 - k : N - 1 - k + q]                   # the token k positions back (maybe in ctx)
         # docs/spec.md 3, the EOS rule: once a step back has reached an EOS, every older entry is EOS (the EOS itself
-        # is kept, so an EOS token still sees its own history).
-        window.append(torch.where(seen_eos, eos_token_id, back))
+        # is kept, so an EOS token still sees its own history). Engram (section 15): no rule.
+        window.append(torch.where(seen_eos, eos_token_id, back) if eos_rule else back)
         seen_eos = seen_eos | (back == eos_token_id)
     return torch.stack(window, 1)
 
 
+def _mapped(seq: torch.Tensor, eos_token_id: int, token_map: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """``(token_map[seq], token_map[eos_token_id])``: the ids the hash reads (docs/spec.md section 15: tokens,
+    contexts and the boundary token go through the map first); unchanged without a map."""
+    if token_map is None:
+        return seq, eos_token_id
+    token_map = token_map.to(seq.device)
+    return token_map[seq].to(torch.int64), int(token_map[eos_token_id])     # an int32 map: int64 products
+
+
 def ngram_windows(input_ids: torch.Tensor, *, ngram_size: int, eos_token_id: int,
                   query_start_loc: torch.Tensor | None = None,
-                  ngram_context: torch.Tensor | None = None) -> torch.Tensor:
+                  ngram_context: torch.Tensor | None = None, eos_rule: bool = True) -> torch.Tensor:
     """The n-gram window each token hashes: ``[T, N]`` int64, column k the token k positions back
-    (column 0 the token itself), after the EOS rule (past an EOS every older entry is EOS).
+    (column 0 the token itself), after the EOS rule (past an EOS every older entry is EOS) unless
+    ``eos_rule`` is False (the Engram family). Ids are the tokens' own (not mapped by a ``token_map``).
 
     Token t's n-gram for n = 2..N is ``window[t, :n]`` read backwards (oldest first). Arguments as
     in `ngram_ids`.
     """
     N = ngram_size
-    windows = [_request_windows(seq, N, eos_token_id)
+    windows = [_request_windows(seq, N, eos_token_id, eos_rule)
                for seq in _request_token_lists(input_ids, N, eos_token_id, query_start_loc, ngram_context)]
     return torch.cat(windows) if windows else torch.zeros(0, N, dtype=torch.int64, device=input_ids.device)
 
@@ -194,7 +265,8 @@ def ngrams_of_rows(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngr
     ids = ngram_ids(input_ids, params, heads_per_ngram=heads_per_ngram, eos_token_id=eos_token_id,
                     query_start_loc=query_start_loc, ngram_context=ngram_context).tolist()
     win = ngram_windows(input_ids, ngram_size=params.ngram_size, eos_token_id=eos_token_id,
-                        query_start_loc=query_start_loc, ngram_context=ngram_context).tolist()
+                        query_start_loc=query_start_loc, ngram_context=ngram_context,
+                        eos_rule=params.eos_rule).tolist()
     out: dict[tuple[int, int], dict[tuple, int]] = {}
     for t, rows in enumerate(ids):
         for h, row in enumerate(rows):
@@ -211,7 +283,9 @@ def ngram_ids(input_ids: torch.Tensor, params: HashParams, *, heads_per_ngram: i
 
     A token's window ``w[0..N-1]`` is the token itself, then the tokens 1..N-1 positions back
     (through the context), except that past an EOS every older entry is EOS (the EOS itself
-    is kept). For order n in 2..N, ``mix_n = (w[0]*m[0]) ^ ... ^ (w[n-1]*m[n-1])`` with
+    is kept). The Engram family (``params.eos_rule`` False, docs/spec.md section 15) has no EOS rule, and
+    with ``params.token_map`` every id (tokens, context, ``eos_token_id`` as the fill before the sequence)
+    is mapped before the products. For order n in 2..N, ``mix_n = (w[0]*m[0]) ^ ... ^ (w[n-1]*m[n-1])`` with
     ``m = params.multipliers`` (int64 products, wrapping modulo ``2**64`` for hand-built multipliers that
     overflow), and head
     ``h = (n-2) * heads_per_ngram + j`` (j in ``0..heads_per_ngram-1``) takes row
@@ -268,7 +342,8 @@ def _ngram_ids(input_ids: torch.Tensor, params: HashParams, heads_per_ngram: int
     sizes, offsets = params.head_sizes.to(dev), params.head_offsets.to(dev)
     out = []
     for seq in _request_token_lists(input_ids, N, eos_token_id, query_start_loc, ngram_context):
-        w = _request_windows(seq, N, eos_token_id)              # [q, N]
+        seq, boundary = _mapped(seq, eos_token_id, params.token_map)        # docs/spec.md 15: the map first
+        w = _request_windows(seq, N, boundary, params.eos_rule)             # [q, N]
         # docs/spec.md 3: mix_n = (w[0]*m[0]) ^ ... ^ (w[n-1]*m[n-1]) (int64, wrapping modulo 2**64);
         # head h = (n-2)*P + j takes row mix_n % size[h] + offset[h] (% on tensors: the floor remainder).
         mix = w[:, 0] * m[0]

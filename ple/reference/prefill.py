@@ -32,8 +32,8 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
                 eps: float, conv_weights: torch.Tensor, *, dilation: int, query_start_loc: torch.Tensor,
                 keep: torch.Tensor | None = None, conv_state: torch.Tensor | None = None,
                 state_indices: torch.Tensor | None = None, has_initial_states: torch.Tensor | None = None,
-                token_indices: torch.Tensor | None = None, null_slot: int = 0,
-                validate: bool = True) -> torch.Tensor:
+                token_indices: torch.Tensor | None = None, null_slot: int = 0, conv_eps: float | None = None,
+                unit_offset: bool = True, validate: bool = True) -> torch.Tensor:
     """Gate, mask, conv and residual adds of whole requests: ``out = (gated + y) + hidden_states``, ``[T, C]``.
 
     Specified in docs/spec.md section 7.11. ``keep`` (physical rows; non-zero keeps): where it is 0,
@@ -56,12 +56,17 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
     Rounding is the composed ops': the gate's, then ``gated * keep``, the conv sum and silu
     rounded, then ``(gated + y)`` rounded and ``+ hidden_states`` rounded.
 
+    ``conv_eps`` and ``unit_offset`` are ``ple_gate``'s: the conv norm's epsilon (None: ``eps``) and the
+    norms' scale, ``1 + w`` (True, the Qwen4Exp family) or ``w`` (False, the Engram family, docs/spec.md
+    section 15).
+
     Args:
         key: floating-point ``[T, C]``, ``C = M * H``, physical rows.
         value: ``[T, H]``, ``key``'s dtype and device.
         hidden_states: ``[T, C]``, ``key``'s dtype and device: the residual streams.
         norm_key_weight, norm_query_weight, norm_conv_weight: floating-point ``[C]`` on ``key``'s device.
-        eps: a positive Python number, the norms' epsilon.
+        eps: a positive Python number, the key and query norms' epsilon (the conv norm's too, unless
+            ``conv_eps`` is given).
         conv_weights: floating-point ``[C, K]``, ``K >= 1``, on ``key``'s device.
         dilation: d, an int ``>= 1``.
         query_start_loc: int32 or int64 ``[R+1]`` over the logical rows: from 0, non-decreasing, ending
@@ -74,6 +79,8 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
         has_initial_states: bool or integer ``[R]``, 0 or 1; only with ``conv_state`` (default all 0).
         token_indices: int32 or int64, distinct rows in ``[0, T)``; only with ``conv_state``.
         null_slot: any int (default 0); only meaningful with ``conv_state``.
+        conv_eps: a positive finite Python number, the conv norm's epsilon, or None (default): ``eps``.
+        unit_offset: True (default): the norms scale by ``1 + w``; False (the Engram family): by ``w``.
         validate: False skips the value checks (offsets, index ranges, distinct slots and rows, flags;
             the metadata checks still run); out-of-range values are then undefined behaviour.
 
@@ -105,12 +112,12 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
     check(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps, conv_weights,
           dilation=dilation, query_start_loc=query_start_loc, keep=keep, conv_state=conv_state,
           state_indices=state_indices, has_initial_states=has_initial_states, token_indices=token_indices,
-          null_slot=null_slot)
+          null_slot=null_slot, conv_eps=conv_eps, unit_offset=unit_offset)
     # The composition (docs/spec.md sections 4-6), each op with its own rounding points. The call was checked
     # once, whole, above, so the ops' bodies run unchecked (nothing is checked twice).
     H = value.shape[1]
     gated, conv_input = _ple_gate(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight,
-                                  eps, H)
+                                  eps, H, conv_eps=conv_eps, unit_offset=unit_offset)
     if keep is not None:                            # padding rows times 0 (exact; a non-finite value gives NaN)
         mask = (keep != 0).to(gated.dtype)[:, None]
         gated, conv_input = gated * mask, conv_input * mask

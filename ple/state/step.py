@@ -23,13 +23,21 @@ __all__ = ["layer_step", "begin_step", "compute_step", "step_conv", "uses_fused_
 
 
 STEP_FIELDS = ("vocab_size", "hidden_size", "hc_count", "eos_token_id", "ngram_size", "ple_conv_kernel_size",
-               "ple_layer_ids")
-"""The config fields a step's cache depends on: token range, widths, the EOS rule, contexts and states."""
+               "ple_layer_ids", "family", "token_map")
+"""The config fields a step's cache depends on: token range, widths, the EOS rule (or the Engram family's pad
+and token map), contexts and states."""
+
+
+def _shown(value: object) -> str:
+    return f"a map of {len(value)} ids" if isinstance(value, tuple) and len(value) > 8 else repr(value)
 
 
 def check_same_config(layer_config: PLEConfig, cache_config: PLEConfig) -> None:
-    """``ValueError`` naming ``layer`` if its config differs from the cache's in a field the step uses."""
-    diff = [f"{f} ({getattr(layer_config, f)!r} vs the cache's {getattr(cache_config, f)!r})"
+    """``ValueError`` naming ``layer`` if its config differs from the cache's in a field the step uses (the same
+    config object, the usual case, costs nothing: an Engram token map is a tuple of every token id)."""
+    if layer_config is cache_config:
+        return
+    diff = [f"{f} ({_shown(getattr(layer_config, f))} vs the cache's {_shown(getattr(cache_config, f))})"
             for f in STEP_FIELDS if getattr(layer_config, f) != getattr(cache_config, f)]
     if diff:
         raise ValueError(f"layer: its config differs from the cache's in {', '.join(diff)}")
@@ -83,13 +91,13 @@ def compute_step(layer: PLELayer, hidden_states: torch.Tensor, batch: StepBatch,
     weights = layer.conv_weights.to(hidden_states.dtype)
     if uses_fused_prefill(batch):                                        # prefills only: one op
         key, value = layer.project(emb)
-        return ops.ple_prefill(key, value, hidden_states, layer.norm_key.weight, layer.norm_query.weight,
-                               layer.norm_conv.weight, layer.config.rms_norm_eps, weights,
+        return ops.ple_prefill(key, value, hidden_states, *layer.norm_weights,
+                               layer.config.gate_eps(hidden_states.dtype), weights,
                                dilation=cache.config.conv_dilation, query_start_loc=batch.query_start_loc_p,
                                conv_state=conv_state, state_indices=batch.state_indices,
                                has_initial_states=batch.has_initial_states_p,
                                token_indices=batch.non_spec_token_indices, null_slot=cache.null_slot,
-                               validate=False)
+                               validate=False, **layer.config.gate_options())
     out, conv_input = layer.gate(emb, hidden_states)                     # gated becomes the output in place
     step_conv(ops, conv_input, out, conv_state, weights, batch, cache, outer_residual=hidden_states)
     return out

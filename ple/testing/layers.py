@@ -21,10 +21,14 @@ def random_layer(config: PLEConfig, index: int = 0, dtype: torch.dtype = torch.b
     """
     layer = PLELayer(config, index, dtype=dtype, **kwargs)
     gen = torch.Generator().manual_seed(seed)
+    E = layer.value_proj.weight.shape[1]
     with torch.no_grad():
         for name, p in layer.named_parameters():
             scale = 0.3 if "norm" in name or "conv" in name else 1.0
             if "proj" in name:
-                scale = p.shape[1] ** -0.5
-            p.copy_((torch.randn(p.shape, generator=gen) * scale).to(p.dtype))
+                scale = E ** -0.5
+            value = torch.randn(p.shape, generator=gen) * scale
+            if "norm" in name and config.family == "engram":     # the Engram family scales by w itself
+                value += 1.0
+            p.copy_(value.to(p.dtype))
     return layer

@@ -135,8 +135,8 @@ def conv_inputs_of_step(layer: PLELayer, hidden: torch.Tensor, batch: StepBatch)
     fused_inputs = getattr(layer.ops, "prefill_conv_inputs", None)
     if uses_fused_prefill(batch) and fused_inputs is not None:
         key, value = layer.project(emb)
-        return fused_inputs(key, value, hidden, layer.norm_key.weight, layer.norm_query.weight,
-                            layer.norm_conv.weight, cfg.rms_norm_eps, cfg.conv_state_len)
+        return fused_inputs(key, value, hidden, *layer.norm_weights, cfg.gate_eps(hidden.dtype), cfg.conv_state_len,
+                            **cfg.gate_options())
     return layer.gate(emb, hidden)[1]
 
 

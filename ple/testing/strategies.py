@@ -43,12 +43,30 @@ def seeds() -> st.SearchStrategy[int]:
 
 @st.composite
 def configs(draw: st.DrawFn, *, max_hidden: int = 9, max_hc: int = 3, kernel_sizes: Sequence[int] = (1, 2, 3, 4, 5),
-            ngram_sizes: Sequence[int] = (2, 3, 4), max_heads_per_ngram: int = 3, max_vocab: int = 64) -> PLEConfig:
-    """Small, odd-sized `PLEConfig`s."""
+            ngram_sizes: Sequence[int] = (2, 3, 4), max_heads_per_ngram: int = 3, max_vocab: int = 64,
+            families: Sequence[str] = ("qwen4exp",)) -> PLEConfig:
+    """Small, odd-sized `PLEConfig`s of the ``families`` asked for (``"qwen4exp"``, ``"engram"``).
+
+    An Engram config has two layers with 0-based ids, a random pad, head sizes from small starts and,
+    half the time, a random ``token_map`` onto fewer ids (so distinct tokens hash alike)."""
     N = draw(st.sampled_from(ngram_sizes))
     P = draw(st.integers(1, max_heads_per_ngram))
     D = draw(st.integers(1, 3))
     V = draw(st.integers(4, max_vocab))
+    family = draw(st.sampled_from(list(families)))
+    if family == "engram":
+        lo = draw(st.integers(0, 20))
+        token_map = None
+        if draw(st.booleans()):
+            V2 = draw(st.integers(2, V))
+            token_map = draw(st.lists(st.integers(0, V2 - 1), min_size=V, max_size=V))
+        return PLEConfig.engram(
+            vocab_size=V, hidden_size=draw(st.integers(1, max_hidden)), hc_count=draw(st.integers(1, max_hc)),
+            engram_vocab_size=draw(st.lists(st.integers(2, 200), min_size=N - 1, max_size=N - 1)),
+            max_ngram_size=N, n_embed_per_ngram=P * D, n_head_per_ngram=P,
+            layer_ids=(lo, lo + draw(st.integers(1, 12))), pad_id=draw(st.integers(0, V - 1)),
+            seed=draw(st.integers(0, 2**32)), kernel_size=draw(st.sampled_from(kernel_sizes)),
+            token_map=token_map)
     return PLEConfig(
         vocab_size=V,
         hidden_size=draw(st.integers(1, max_hidden)),

@@ -5,8 +5,9 @@ for bit in every dtype; what differs is how many passes over ``[T, C]`` they tak
 their temporaries are:
 
 * a norm is ``xf = x.to(acc)``, ``xf * xf``, the group sum (``sum(-1)``, the kernel ``mean`` runs on
-  the CPU, then the same division by ``H``), ``xf * r``, ``* (1 + w)``, the cast to the input dtype:
-  no ``pow``, no mixed-dtype op (``bf16 * fp32`` takes an unvectorised path on the CPU, ~10x slower);
+  the CPU, then the same division by ``H``), ``xf * r``, ``* (1 + w)`` (``* w`` with ``unit_offset=False``,
+  the Engram family), the cast to the input dtype: no ``pow``, no mixed-dtype op (``bf16 * fp32`` takes an
+  unvectorised path on the CPU, ~10x slower);
 * the score's product ``kn * qn`` (rounded to the model dtype) is made once and summed in float32;
 * the gated value is one broadcast product ``g[:, :, None] * value[:, None, :]``.
 
@@ -54,28 +55,35 @@ def records_grad(*tensors: torch.Tensor) -> bool:
 
 
 def _grouped_rms_norm(x: torch.Tensor, weight: torch.Tensor, group_size: int, eps: float, *,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, unit_offset: bool = True) -> torch.Tensor:
     """``ple.reference.grouped_rms_norm`` of a ``[T, C]`` ``x``, unchecked, bit for bit (see the module docstring).
 
     ``out`` (``[T, C]``, ``x``'s dtype; not with autograd), if given, receives the result and is returned.
+    ``unit_offset``: the scale is ``1 + w`` (True) or ``w`` (False), as the reference's.
     """
     acc = acc_dtype(x.dtype)
     T, C = x.shape
     H = group_size
     xf = x.to(acc).reshape(T, C // H, H)
     r = torch.rsqrt((xf * xf).sum(-1, keepdim=True) / H + eps)       # = rsqrt(mean(x^2) + eps): mean is sum / H
-    y = ((xf * r).reshape(T, C) * (1.0 + weight.to(acc))).to(x.dtype)
+    y = ((xf * r).reshape(T, C) * _scale(weight, acc, unit_offset)).to(x.dtype)
     return y if out is None else out.copy_(y)
 
 
+def _scale(weight: torch.Tensor, acc: torch.dtype, unit_offset: bool) -> torch.Tensor:
+    """A norm's scale in the accumulation dtype: ``1 + w`` (``unit_offset``, Qwen4Exp) or ``w`` (Engram)."""
+    return 1.0 + weight.to(acc) if unit_offset else weight.to(acc)
+
+
 def stream_scores(key: torch.Tensor, hidden_states: torch.Tensor, norm_key_weight: torch.Tensor,
-                  norm_query_weight: torch.Tensor, group_size: int, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  norm_query_weight: torch.Tensor, group_size: int, eps: float, *,
+                  unit_offset: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``(s, g)``, ``[T, M]`` in the input dtype: ``ple.reference.gate.stream_scores``, bit for bit."""
     H = group_size
     dt = key.dtype
     T, C = key.shape
-    kn = _grouped_rms_norm(key, norm_key_weight, H, eps).view(T, C // H, H)
-    qn = _grouped_rms_norm(hidden_states, norm_query_weight, H, eps).view(T, C // H, H)
+    kn = _grouped_rms_norm(key, norm_key_weight, H, eps, unit_offset=unit_offset).view(T, C // H, H)
+    qn = _grouped_rms_norm(hidden_states, norm_query_weight, H, eps, unit_offset=unit_offset).view(T, C // H, H)
     prod = kn * qn                                                  # rounded to the model dtype, as the model
     s = prod.to(acc_dtype(dt)).sum(-1).to(dt)                       # sum in float32 (= sum(dtype=float32))
     s = s / math.sqrt(H)
@@ -86,26 +94,29 @@ def stream_scores(key: torch.Tensor, hidden_states: torch.Tensor, norm_key_weigh
 @twin(_reference.ple_gate)
 def ple_gate(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor,
              norm_key_weight: torch.Tensor, norm_query_weight: torch.Tensor,
-             norm_conv_weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+             norm_conv_weight: torch.Tensor, eps: float, *, conv_eps: float | None = None,
+             unit_offset: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Two paths with the reference's ops, in its order and with its rounding points: ``gate.BlockGate`` on
     the CPU, eagerly, with nothing recording autograd and more rows than ``gate.BLOCK_ROWS`` (the rows in
     blocks, every temporary a buffer reused from block to block), else ``gate._gate_whole_batch`` (each
     op once over all rows: autograd, ``torch.compile``, any device). The norms widen ``x`` and ``1 + w``
-    (the weights in any float dtype) to the accumulation dtype and use no ``pow`` and no mixed-dtype op.
-    The gate has no value checks, so it never reads a tensor value on the host."""
+    (or ``w``; the weights in any float dtype) to the accumulation dtype and use no ``pow`` and no
+    mixed-dtype op. The gate has no value checks, so it never reads a tensor value on the host."""
     H = _checks.gate_call(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight,
-                          eps).group_size
-    return gate(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps, H)
+                          eps, conv_eps=conv_eps, unit_offset=unit_offset).group_size
+    return gate(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps, H,
+                conv_eps=conv_eps, unit_offset=unit_offset)
 
 
 def _gate_whole_batch(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
-                      hidden_size):
+                      hidden_size, conv_eps=None, unit_offset=True):
     """The general gate: each op once over all rows (autograd records, ``torch.compile`` traces, any device)."""
     H = hidden_size
     T, C = key.shape
-    g = stream_scores(key, hidden_states, norm_key_weight, norm_query_weight, H, eps)[1]
+    g = stream_scores(key, hidden_states, norm_key_weight, norm_query_weight, H, eps, unit_offset=unit_offset)[1]
     gated = (g[:, :, None] * value[:, None, :]).view(T, C)
-    return gated, _grouped_rms_norm(gated, norm_conv_weight, H, eps)
+    return gated, _grouped_rms_norm(gated, norm_conv_weight, H, eps if conv_eps is None else conv_eps,
+                                    unit_offset=unit_offset)
 
 
 class BlockGate:
@@ -113,7 +124,7 @@ class BlockGate:
 
     Same ops, same rounding points as `_gate_whole_batch` (so the same bits); what it saves is allocation,
     passes and small ops: every temporary is a buffer of this object, which stays in cache from block
-    to block; the norms' scales (``1 + w``) are made once per call, not per block; a float32 call widens
+    to block; the norms' scales (``1 + w``, or ``w``) are made once per call, not per block; a float32 call widens
     nothing; and the score's ops on ``[T, M]`` (the division by sqrt(H), the signed square root,
     the sigmoid) run once over all rows (`gates`) between the block pass that makes the scores
     (`score_sums`) and the one that uses the gates (`gate_rows`), instead of once per block.
@@ -122,9 +133,10 @@ class BlockGate:
     @deprecated_parameter("H", "hidden_size", since="0.1.0")
     def __init__(self, n: int, like: torch.Tensor, norm_key_weight: torch.Tensor,
                  norm_query_weight: torch.Tensor, norm_conv_weight: torch.Tensor, eps: float,
-                 hidden_size: int) -> None:
+                 hidden_size: int, conv_eps: float | None = None, unit_offset: bool = True) -> None:
         C = like.shape[1]
         self.dt, self.acc, self.H, self.eps = like.dtype, acc_dtype(like.dtype), hidden_size, eps
+        self.conv_eps = eps if conv_eps is None else conv_eps
         acc = self.acc
         wide = acc != self.dt
         self.x = like.new_empty(n, C, dtype=acc) if wide else None     # an input, widened
@@ -132,14 +144,15 @@ class BlockGate:
         self.kq = like.new_empty(2, n, C) if wide else self.sq2        # the two norms, rounded
         self.prod = like.new_empty(n, C)
         self.sq = like.new_empty(n, C, dtype=acc) if wide else None    # the conv norm's squares
-        self.scales = [1.0 + w.to(acc) for w in (norm_key_weight, norm_query_weight, norm_conv_weight)]
+        self.scales = [_scale(w, acc, unit_offset) for w in (norm_key_weight, norm_query_weight, norm_conv_weight)]
 
-    def _norm(self, x: torch.Tensor, sq: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, sq: torch.Tensor, scale: torch.Tensor, out: torch.Tensor,
+              eps: float) -> torch.Tensor:
         """`_grouped_rms_norm`'s ops on ``x`` (``[m, C]``, the acc dtype) with ``sq`` as scratch; into ``out``."""
         H = self.H
         g = x.unflatten(-1, (-1, H))
         sqg = torch.mul(g, g, out=sq.unflatten(-1, (-1, H)))
-        r = sqg.sum(-1, keepdim=True).div_(H).add_(self.eps).rsqrt_()   # = rsqrt(mean(x^2) + eps)
+        r = sqg.sum(-1, keepdim=True).div_(H).add_(eps).rsqrt_()        # = rsqrt(mean(x^2) + eps)
         torch.mul(g, r, out=sqg)
         if out.dtype == sq.dtype:
             return torch.mul(sq, scale, out=out)
@@ -153,7 +166,7 @@ class BlockGate:
         m, C = key.shape
         sq, kq = self.sq2[:, :m], self.kq[:, :m]
         for i, src in enumerate((key, hidden_states)):
-            self._norm(self._widen(src), sq[i], self.scales[i], kq[i])
+            self._norm(self._widen(src), sq[i], self.scales[i], kq[i], self.eps)
         prod = torch.mul(kq[0], kq[1], out=self.prod[:m]).view(m, C // self.H, self.H)   # rounded, as the model
         out.copy_(prod.to(self.acc).sum(-1))                            # summed in float32, rounded
 
@@ -167,7 +180,7 @@ class BlockGate:
         m, C = gated.shape
         torch.mul(g[:, :, None], value[:, None, :], out=gated.view(m, C // self.H, self.H))
         sq = self.sq2[0, :m] if self.sq is None else self.sq[:m]
-        self._norm(self._widen(gated), sq, self.scales[2], conv_input)
+        self._norm(self._widen(gated), sq, self.scales[2], conv_input, self.conv_eps)
 
 
 def takes_block_gate_path(key: torch.Tensor, *tensors: torch.Tensor) -> bool:
@@ -180,17 +193,18 @@ def takes_block_gate_path(key: torch.Tensor, *tensors: torch.Tensor) -> bool:
 @deprecated_parameter("H", "hidden_size", since="0.1.0")
 def gate(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor, norm_key_weight: torch.Tensor,
          norm_query_weight: torch.Tensor, norm_conv_weight: torch.Tensor, eps: float,
-         hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+         hidden_size: int, *, conv_eps: float | None = None,
+         unit_offset: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """`ple_gate` after its checks: ``(gated, conv_input)``; through a `BlockGate` where `takes_block_gate_path`,
     else `_gate_whole_batch`."""
     H = hidden_size
     T, C = key.shape
     args = (norm_key_weight, norm_query_weight, norm_conv_weight, eps, H)
     if not takes_block_gate_path(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight):
-        return _gate_whole_batch(key, value, hidden_states, *args)
+        return _gate_whole_batch(key, value, hidden_states, *args, conv_eps, unit_offset)
     n = BLOCK_ROWS
     gated, conv_input = key.new_empty(T, C), key.new_empty(T, C)
-    block = BlockGate(n, key, *args)
+    block = BlockGate(n, key, *args, conv_eps, unit_offset)
     sums = key.new_empty(T, C // H)
     for a in range(0, T, n):
         block.score_sums(key[a:a + n], hidden_states[a:a + n], sums[a:a + n])

@@ -38,8 +38,8 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
                 eps: float, conv_weights: torch.Tensor, *, dilation: int, query_start_loc: torch.Tensor,
                 keep: torch.Tensor | None = None, conv_state: torch.Tensor | None = None,
                 state_indices: torch.Tensor | None = None, has_initial_states: torch.Tensor | None = None,
-                token_indices: torch.Tensor | None = None, null_slot: int = 0,
-                validate: bool = True) -> torch.Tensor:
+                token_indices: torch.Tensor | None = None, null_slot: int = 0, conv_eps: float | None = None,
+                unit_offset: bool = True, validate: bool = True) -> torch.Tensor:
     """This backend's ops composed, the call checked once (``prefill_meta``, then ``prefill_values`` unless
     ``validate=False``) and their bodies run unchecked: ``gate.gate``, the ``keep`` mask, then without a
     conv state the training conv's body and the two adds, with one ``conv._ple_conv(mode="prefill")`` (its
@@ -52,7 +52,7 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
     _checks.prefill_meta(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
                  conv_weights, dilation=dilation, query_start_loc=query_start_loc, keep=keep,
                  conv_state=conv_state, state_indices=state_indices, has_initial_states=has_initial_states,
-                 token_indices=token_indices, null_slot=null_slot)
+                 token_indices=token_indices, null_slot=null_slot, conv_eps=conv_eps, unit_offset=unit_offset)
     if _checks.validating(validate):
         _checks.prefill_values(key, conv_weights, dilation=dilation, query_start_loc=query_start_loc,
                        conv_state=conv_state, state_indices=state_indices, has_initial_states=has_initial_states,
@@ -62,8 +62,8 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
     grad = records_grad(key, value, hidden_states, *norms, conv_weights)
     if takes_blocked_forward_path(key, conv_state, grad):
         return _forward_blocked(key, value, hidden_states, *norms, eps, H, conv_weights, dilation,
-                                query_start_loc, keep)
-    gated, conv_input = gate(key, value, hidden_states, *norms, eps, H)
+                                query_start_loc, keep, conv_eps, unit_offset)
+    gated, conv_input = gate(key, value, hidden_states, *norms, eps, H, conv_eps=conv_eps, unit_offset=unit_offset)
     if keep is not None:
         mask = (keep != 0).to(gated.dtype)[:, None]
         if grad:
@@ -97,7 +97,7 @@ takes_blocked_path = deprecated_function(takes_blocked_forward_path, "takes_bloc
 
 
 def _forward_blocked(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
-                     hidden_size, conv_weights, dilation, query_start_loc, keep):
+                     hidden_size, conv_weights, dilation, query_start_loc, keep, conv_eps=None, unit_offset=True):
     """``(gated + y) + hidden_states`` of whole requests from zero history, without autograd, in blocks.
 
     Only the output is a ``[T, C]`` buffer: each block's gated values and conv inputs live in scratch
@@ -122,7 +122,7 @@ def _forward_blocked(key, value, hidden_states, norm_key_weight, norm_query_weig
     window = key.new_zeros(S + m_max, C, dtype=acc)                    # S rows of history, then the block's
     conv_input = key.new_empty(m_max, C) if acc != dt else None        # rounded to dt, then widened
     mask = None if keep is None else (keep != 0).to(dt)[:, None]
-    block = BlockGate(m_max, key, norm_key_weight, norm_query_weight, norm_conv_weight, eps, H)
+    block = BlockGate(m_max, key, norm_key_weight, norm_query_weight, norm_conv_weight, eps, H, conv_eps, unit_offset)
     starts_in_block = _sequence_starts_by_block(query_start_loc, T, n) if S else {}
     lags = [(K - 1 - j) * dilation for j in range(K)]
     taps = key.new_empty(m_max, C, dtype=acc)                          # the block's tap sums

@@ -57,26 +57,31 @@ for dt, acc, varlen in (("*bf16", "*fp32", True), ("*fp64", "*fp64", False)):
 from ple.fast import embedding as E, gate as G, hashing as H
 import importlib
 TU = importlib.import_module("ple.fast.table_update")   # (the op of that name shadows the module)
-scalars = ("eps_hi", "eps_lo", "sqrt_h")
+scalars = ("eps_hi", "eps_lo", "ceps_hi", "ceps_lo", "sqrt_h")
 gate_io = dict(IS_FP64=False, IS_BF16=True, IS_FP16=False)
 gate_ptrs = lambda k: {n: "*fp32" if n in ("coef_ptr", "part_ptr") else "*bf16"  # noqa: E731
                        for n in k.arg_names if n.endswith("_ptr")}
-build(G._gate_fwd_kernel, gate_ptrs(G._gate_fwd_kernel), dict(IS_FP64=False, IS_BF16=True, CHUNK=512, BLOCK_M=4),
-      floats=scalars, num_warps=2)
-build(G._gate_stats_kernel, gate_ptrs(G._gate_stats_kernel), dict(IS_FP64=False, TOK=16, CHUNK=512, BLOCK_M=4),
-      floats=scalars)
-build(G._gate_bwd_kernel, gate_ptrs(G._gate_bwd_kernel), dict(gate_io, TOK=16, CHUNK=128, BLOCK_M=4), num_warps=8)
-build(G._gate_wsum_kernel, gate_ptrs(G._gate_wsum_kernel),
-      dict(IS_FP64=False, WK_BF16=True, WK_FP16=False, WQ_BF16=True, WQ_FP16=False, WC_BF16=True, WC_FP16=False,
-           BLOCK=1024))
+for unit in (True, False):                     # the norms' scale: 1 + w (Qwen4Exp) or w (Engram)
+    build(G._gate_fwd_kernel, gate_ptrs(G._gate_fwd_kernel),
+          dict(IS_FP64=False, IS_BF16=True, CHUNK=512, BLOCK_M=4, UNIT_OFFSET=unit), floats=scalars, num_warps=2)
+    build(G._gate_stats_kernel, gate_ptrs(G._gate_stats_kernel),
+          dict(IS_FP64=False, TOK=16, CHUNK=512, BLOCK_M=4, UNIT_OFFSET=unit), floats=scalars)
+    build(G._gate_bwd_kernel, gate_ptrs(G._gate_bwd_kernel),
+          dict(gate_io, TOK=16, CHUNK=128, BLOCK_M=4, UNIT_OFFSET=unit), num_warps=8)
+    build(G._gate_wsum_kernel, gate_ptrs(G._gate_wsum_kernel),
+          dict(IS_FP64=False, WK_BF16=True, WK_FP16=False, WQ_BF16=True, WQ_FP16=False, WC_BF16=True,
+               WC_FP16=False, BLOCK=1024, UNIT_OFFSET=unit))
 ngram_ptrs = dict(ids_ptr="*i32", query_start_loc_ptr="*i32", ctx_ptr="*i64", mult_ptr="*i64", sizes_ptr="*i64",
-                  offsets_ptr="*i64", out_ptr="*i64", w_ptr="*bf16", emb_ptr="*bf16", levels_ptr="*fp32")
-build(H._ngram_kernel, ngram_ptrs, dict(N=3, P=8, IS_VARLEN=True, HAS_CONTEXT=True, HAS_IDS_OUT=True, HAS_TABLE=True,
-                                        BLOCK_T=64, BLOCK_D=128, NF4=False, WORD=1, IS_OUT_BF16=False))
-for word, w in ((4, "*i32"), (2, "*i16"), (1, "*u8")):          # NF4 rows read as words of 4, 2 or 1 bytes
-    build(H._ngram_kernel, dict(ngram_ptrs, w_ptr=w),
-          dict(N=3, P=8, IS_VARLEN=True, HAS_CONTEXT=True, HAS_IDS_OUT=False, HAS_TABLE=True, BLOCK_T=16,
-               BLOCK_D=32, NF4=True, WORD=word, IS_OUT_BF16=True))
+                  offsets_ptr="*i64", out_ptr="*i64", w_ptr="*bf16", emb_ptr="*bf16", levels_ptr="*fp32",
+                  map_ptr="*i64")
+for family in (dict(EOS_RULE=True, HAS_TOKEN_MAP=False), dict(EOS_RULE=False, HAS_TOKEN_MAP=True)):  # Qwen4Exp, Engram
+    build(H._ngram_kernel, ngram_ptrs, dict(N=3, P=8, IS_VARLEN=True, HAS_CONTEXT=True, HAS_IDS_OUT=True,
+                                            HAS_TABLE=True, BLOCK_T=64, BLOCK_D=128, NF4=False, WORD=1,
+                                            IS_OUT_BF16=False, **family))
+    for word, w in ((4, "*i32"), (2, "*i16"), (1, "*u8")):      # NF4 rows read as words of 4, 2 or 1 bytes
+        build(H._ngram_kernel, dict(ngram_ptrs, w_ptr=w),
+              dict(N=3, P=8, IS_VARLEN=True, HAS_CONTEXT=True, HAS_IDS_OUT=False, HAS_TABLE=True, BLOCK_T=16,
+                   BLOCK_D=32, NF4=True, WORD=word, IS_OUT_BF16=True, **family))
 for rule in (0, 1, 2):                                         # table_update: sgd, adagrad, adam
     build(TU._update_kernel, dict(w_ptr="*bf16", g_ptr="*bf16", pairs_ptr="*i64", s_ptr="*fp32", m_ptr="*fp32"),
           dict(RULE=rule, HAS_WD=True, IS_G_BF16=True, WT=tl.bfloat16, IS_W_BF16=True, UNROLL=8, BLOCK_D=256),

@@ -4,6 +4,9 @@ The layer calls the same ops in the same order on every backend, so this exercis
 user's entry points whole, fused ones included. Three parts, each over Hypothesis-drawn
 configs (channels beyond one tile: C up to a few hundred, odd sizes; K 1..5; two PLE layers):
 
+Both families are drawn (docs/spec.md section 15: an Engram config's window rule, token map, biases and
+norm form reach the ops as arguments).
+
 * **forward**: ``layer(hidden, ids, mask)`` with left / right padding, which runs the ops'
   ``ngram_embedding`` (hash and gather), the projections, then ``ple_prefill`` (gate, the
   padding mask as ``keep``, conv from zero history, both adds); judged against a float64 run of
@@ -32,6 +35,7 @@ import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
 
+from ... import _checks
 from ...config import PLEConfig
 from ...state import PLECache
 from ..layers import random_layer
@@ -88,8 +92,8 @@ def serving_script(config: PLEConfig, seed: int) -> list[list[Action]]:
 
 
 @st.composite
-def _layer_cases(draw, dtypes, max_hidden):
-    config = draw(configs(max_hidden=max_hidden, max_hc=3))
+def _layer_cases(draw, dtypes, max_hidden, families=("qwen4exp", "engram")):
+    config = draw(configs(max_hidden=max_hidden, max_hc=3, families=families))
     B, L = draw(st.integers(1, 3)), draw(st.integers(1, 24))
     return dict(config=config, dtype=draw(st.sampled_from(list(dtypes))), B=B, L=L,
                 pads=draw(st.lists(st.tuples(st.sampled_from(["none", "left", "right"]), st.integers(0, L - 1)),
@@ -146,7 +150,8 @@ def check_one_layer(ops: object, case: dict[str, Any], *, grad: bool = True, ser
 
 def check_layer(ops: object, *, dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16), max_hidden: int = 40,
                 grad: bool = True,
-                serving: bool = True, max_examples: int = 10, seed: int | None = 0) -> None:
+                serving: bool = True, families: Sequence[str] = ("qwen4exp", "engram"), max_examples: int = 10,
+                seed: int | None = 0) -> None:
     """Check ``PLELayer(config, ops=ops)`` whole against the reference layer (see the module docstring).
 
     ``ops`` is any object with the op names of ``ple.backends.OP_NAMES``. The forward (through
@@ -155,10 +160,15 @@ def check_layer(ops: object, *, dtypes: Sequence[torch.dtype] = (torch.float32, 
     cache's states, mixed steps through ``ple_gate`` + ``ple_conv``). ``max_hidden`` bounds the
     stream width; ``max_examples`` cases, ``seed`` fixes the draw (None: Hypothesis's own
     randomness). Returns quietly or raises ``AssertionError`` naming the part and the smallest
-    case."""
+    case. Both families are drawn; ``families=("qwen4exp",)`` checks ops written for the Qwen4Exp family alone
+    (an Engram layer passes its norms' form to ``ple_gate`` / ``ple_prefill`` as keywords, docs/spec.md
+    section 15). In the Engram family the float64 judge runs its own dtype's key / query eps
+    (``torch.finfo(float64).eps``, as the demo's ``nn.RMSNorm`` would), which differs from a bfloat16 layer's."""
     check_options(dtypes=dtypes, max_hidden=max_hidden, grad=grad, serving=serving, max_examples=max_examples,
                   seed=seed)
-    @given(case=_layer_cases(dtypes, max_hidden))
+    from .ops import FAMILIES
+    families = _checks.choices_arg("families", families, FAMILIES)
+    @given(case=_layer_cases(dtypes, max_hidden, families))
     @_settings(max_examples, seed)
     def prop(case):
         note(repr(case))

@@ -21,11 +21,12 @@ import torch
 from hypothesis import given, note
 from hypothesis import strategies as st
 
+from ... import _checks
 from ... import reference as ref
 from ...config import PLEConfig
 from ..strategies import configs, varlen_batches
 from ._options import check_options
-from ._report import compare_bits, compare_close, poisoned_empty, row_of
+from ._report import compare_bits, compare_close, fmt_case, poisoned_empty, row_of
 from .cases import HALF_DTYPES, randn, to64
 from .conv import DTYPES, _seeded, _settings
 from .quantized import SCHEMES, as_schemes, check_quantized, even_dim, quantized_table
@@ -59,20 +60,40 @@ def _grads(fn, inputs: dict, wrt: list[str], g_out, **kw):
 
 # ---- ngram_ids ------------------------------------------------------------------------------------
 
+def _family(config: PLEConfig) -> str:
+    """The hash family of a case, as its report names it (the config's repr leaves the token map out)."""
+    if config.family != "engram":
+        return "qwen4exp (EOS rule)"
+    if config.token_map is None:
+        return f"engram (no EOS rule, pad {config.eos_token_id}, no token_map)"
+    return (f"engram (no EOS rule, pad {config.eos_token_id}, token_map onto {config.token_vocab_size} ids: "
+            f"{list(config.token_map)})")
+
+
 @st.composite
-def _ngram_cases(draw, max_requests):
-    config = draw(configs(max_hidden=3))
+def _ngram_cases(draw, max_requests, families=("qwen4exp", "engram")):
+    # Both families (docs/spec.md sections 3 and 15): the Engram one has no EOS rule and, half the time, a
+    # token_map onto fewer ids, so an op that ignores params.token_map or params.eos_rule fails.
+    config = draw(configs(max_hidden=3, families=families))
     batch = draw(varlen_batches(config, max_requests=max_requests, max_len=40))
-    return dict(config=config, ple_layer_index=draw(st.integers(0, 1)), input_ids=batch.input_ids.tolist(),
+    return dict(family=_family(config), config=config, ple_layer_index=draw(st.integers(0, 1)),
+                input_ids=batch.input_ids.tolist(),
                 query_start_loc=batch.query_start_loc.tolist(), index_dtype=batch.query_start_loc.dtype,
                 ids_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
                 context=batch.ngram_context.tolist() if draw(st.booleans()) else None)
 
 
 def check_ngram_ids(fn: Callable[..., Any], *, max_examples: int = 25, max_requests: int = 4,
-                    seed: int | None = 0) -> None:
-    """Check ``fn`` (the signature of ``ple.reference.ngram_ids``): the ``[T, NH]`` ids, exactly."""
+                    families: Sequence[str] = ("qwen4exp", "engram"), seed: int | None = 0) -> None:
+    """Check ``fn`` (the signature of ``ple.reference.ngram_ids``): the ``[T, NH]`` ids, exactly.
+
+    Cases: both families' hash parameters (``ref.hash_params`` of a drawn config): Qwen4Exp's, with the EOS
+    rule, and Engram's (``params.eos_rule`` False, and half the time a ``params.token_map`` onto fewer ids),
+    varlen batches heavy in the EOS / pad token, with and without ``ngram_context``, int32 / int64 ids and
+    offsets. A failure names the case's family (its token map included). ``families=("qwen4exp",)`` checks
+    an op written for the Qwen4Exp family alone."""
     check_options(max_examples=max_examples, max_requests=max_requests, seed=seed)
+    families = _checks.choices_arg("families", families, FAMILIES)
     def body(case):
         c: PLEConfig = case["config"]
         params = ref.hash_params(c, case["ple_layer_index"])
@@ -88,7 +109,7 @@ def check_ngram_ids(fn: Callable[..., Any], *, max_examples: int = 25, max_reque
         compare_bits(got, want, name="ngram_ids", case=case,
                      where=lambda idx: f"{row_of(query_start_loc_list, idx[0])}, head {idx[1]} "
                                        f"(n-gram {idx[1] // c.heads_per_ngram + 2})")
-    _prop(_ngram_cases(max_requests), body, max_examples, seed)
+    _prop(_ngram_cases(max_requests, families), body, max_examples, seed)
 
 
 # ---- ngram_embedding ------------------------------------------------------------------------------
@@ -100,8 +121,8 @@ def _scheme(draw, schemes):
 
 
 @st.composite
-def _ngram_embedding_cases(draw, dtypes, max_requests, max_dim, schemes):
-    case = draw(_ngram_cases(max_requests))
+def _ngram_embedding_cases(draw, dtypes, max_requests, max_dim, schemes, families=("qwen4exp", "engram")):
+    case = draw(_ngram_cases(max_requests, families))
     case.update(dtype=draw(st.sampled_from(list(dtypes))),
                 D=draw(st.one_of(st.just(None), st.integers(1, max_dim), st.sampled_from([128, 160]))),
                 extra_rows=draw(st.sampled_from([0, 0, 1, 7])), strided=draw(st.booleans()),
@@ -116,22 +137,25 @@ def _ngram_embedding_cases(draw, dtypes, max_requests, max_dim, schemes):
 def check_ngram_embedding(fn: Callable[..., Any], *,
                           dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16, torch.float64),
                           max_dim: int = 200, max_requests: int = 4, grad: bool = True,
-                          schemes: Sequence[str] = SCHEMES, max_examples: int = 25, seed: int | None = 0) -> None:
+                          schemes: Sequence[str] = SCHEMES, families: Sequence[str] = ("qwen4exp", "engram"),
+                          max_examples: int = 25, seed: int | None = 0) -> None:
     """Check ``fn`` (the signature of ``ple.reference.ngram_embedding``): the ``[T, NH * D]`` rows bit for bit
     (hashing then a gather: a copy), and with ``grad`` the table's gradient by the tolerance table.
 
     Cases: varlen batches (empty requests included, EOS-heavy), with and without ``ngram_context``,
     int32 / int64 ids (sometimes a strided column), offsets and contexts, two PLE layers' hash
-    parameters, table widths D from the config's to beyond a tile, tables with spare rows or a
+    parameters of either family (``check_ngram_ids``: Engram's without the EOS rule, sometimes with a
+    token map), table widths D from the config's to beyond a tile, tables with spare rows or a
     strided column slice, in each of ``dtypes``, and quantized tables of each of ``schemes``
     (``()``: none) as ``check_embedding_lookup`` gives them: ``fn`` given an NF4 table's packed uint8
     ``[rows, D/2 + 4]`` rows (or an FP8 table's raw bytes, or an int8 table) returns the gathered
     stored rows, ``embedding_lookup(weight, ngram_ids(...))``, bit for bit, and their values unpacked
-    in each of ``dtypes`` are the table's; no gradient.
+    in each of ``dtypes`` are the table's; no gradient. ``families=("qwen4exp",)`` leaves the Engram family out.
     """
     check_options(dtypes=dtypes, max_dim=max_dim, max_requests=max_requests, grad=grad, max_examples=max_examples,
                   seed=seed)
     schemes = as_schemes(schemes)
+    families = _checks.choices_arg("families", families, FAMILIES)
 
     def body(case):
         c: PLEConfig = case["config"]
@@ -178,7 +202,7 @@ def check_ngram_embedding(fn: Callable[..., Any], *,
                 exact = g64["weight"]
             compare_close(gg["weight"], gw["weight"], exact, name="ngram_embedding: weight gradient", case=case,
                           grad=True, where=lambda idx: f"table row {idx[0]}, column {idx[1]}")
-    _prop(_ngram_embedding_cases(dtypes, max_requests, max_dim, schemes), body, max_examples, seed)
+    _prop(_ngram_embedding_cases(dtypes, max_requests, max_dim, schemes, families), body, max_examples, seed)
 
 
 # ---- embedding_lookup -----------------------------------------------------------------------------
@@ -255,20 +279,76 @@ def _quantized_lookup(fn, case, g, dtypes):
 
 # ---- ple_gate -------------------------------------------------------------------------------------
 
+FAMILIES = ("qwen4exp", "engram")
+"""The gate families a check draws (docs/spec.md section 15): ``"qwen4exp"`` calls ``fn`` without the family's
+keywords (as the layer does: ``unit_offset=True``, ``conv_eps=eps``), ``"engram"`` with ``unit_offset=False``
+(the norms scale by ``w``) and a ``conv_eps`` other than ``eps``."""
+
+
+def draw_gate_family(draw: st.DrawFn, families: Sequence[str], dtype: torch.dtype, eps_choices: Sequence[float]
+                     ) -> dict[str, Any]:
+    """A case's gate family: ``family``, ``eps``, ``unit_offset`` and ``conv_eps`` (None: ``eps``). The Engram
+    family's key / query eps is ``torch.finfo(dtype).eps`` (``nn.RMSNorm``'s default) or one of ``eps_choices``,
+    its conv eps one of 1e-5 (the demo's), 1e-3 or 0.1, never ``eps``; its weights start at one (`gate_weight`)."""
+    family = draw(st.sampled_from(list(families)))
+    if family == "qwen4exp":
+        return dict(family=family, eps=draw(st.sampled_from(list(eps_choices))), unit_offset=True, conv_eps=None)
+    eps = draw(st.sampled_from([torch.finfo(dtype).eps, *eps_choices]))
+    conv_eps = draw(st.sampled_from([c for c in (1e-5, 1e-3, 0.1) if c != eps]))
+    return dict(family=family, eps=eps, unit_offset=False, conv_eps=conv_eps)
+
+
+def gate_family_kwargs(case: dict[str, Any]) -> dict[str, Any]:
+    """The keywords ``fn`` gets for the case's family: none for Qwen4Exp (so an op with the old signature runs
+    its cases), ``unit_offset`` and ``conv_eps`` for Engram. A case without them (one written by hand) is
+    Qwen4Exp's."""
+    unit_offset, conv_eps = case.get("unit_offset", True), case.get("conv_eps")
+    if unit_offset and conv_eps is None:
+        return {}
+    return dict(unit_offset=unit_offset, conv_eps=conv_eps)
+
+
+def gate_weight(shape: tuple[int, ...], dtype: torch.dtype, g: torch.Generator, case: dict[str, Any]) -> torch.Tensor:
+    """A norm weight: ``0.3 N(0, 1)`` about the family's start (0 for ``1 + w``, 1 for ``w``)."""
+    w = randn(shape, dtype, g) * 0.3
+    return w if case.get("unit_offset", True) else w + 1.0
+
+
+def call_with_family(op: str, call: Callable[[], Any], case: dict[str, Any]) -> Any:
+    """``call()``; a ``TypeError`` because ``fn`` refuses the family's keywords becomes an ``AssertionError`` naming
+    them and the case (an op with the old signature can be checked with ``families=("qwen4exp",)``)."""
+    try:
+        return call()
+    except TypeError as e:
+        words = [k for k in gate_family_kwargs(case) if k in str(e)]
+        if not words or "keyword" not in str(e):
+            raise
+        raise AssertionError(f"{op}: the function does not take {' / '.join(words)} (the Engram family's norms, "
+                             f"docs/spec.md section 15): {e}; check the Qwen4Exp family alone with "
+                             f"families=('qwen4exp',)\n  case: {fmt_case(case)}") from e
+
+
 @st.composite
-def _gate_cases(draw, dtypes, max_hidden):
-    return dict(T=draw(st.integers(0, 40)), M=draw(st.integers(1, 4)),
-                H=draw(st.one_of(st.integers(1, max_hidden), st.sampled_from([1, 2, 127, 160]))),
-                dtype=draw(st.sampled_from(list(dtypes))), eps=draw(st.sampled_from([1e-6, 1e-5, 0.1])),
-                scale=draw(st.sampled_from([1.0, 1e-4, 30.0])), strided=draw(st.booleans()),
-                seed=draw(st.integers(0, 2**31 - 1)))
+def _gate_cases(draw, dtypes, max_hidden, families):
+    T, M = draw(st.integers(0, 40)), draw(st.integers(1, 4))
+    H = draw(st.one_of(st.integers(1, max_hidden), st.sampled_from([1, 2, 127, 160])))
+    dtype = draw(st.sampled_from(list(dtypes)))
+    family = draw_gate_family(draw, families, dtype, [1e-6, 1e-5, 0.1])
+    return dict(T=T, M=M, H=H, dtype=dtype, **family, scale=draw(st.sampled_from([1.0, 1e-4, 30.0])),
+                strided=draw(st.booleans()), seed=draw(st.integers(0, 2**31 - 1)))
 
 
 def check_ple_gate(fn: Callable[..., Any], *, dtypes: Sequence[torch.dtype] = DTYPES, max_hidden: int = 300,
-                   grad: bool = True, max_examples: int = 25, seed: int | None = 0) -> None:
+                   grad: bool = True, families: Sequence[str] = FAMILIES, max_examples: int = 25,
+                   seed: int | None = 0) -> None:
     """Check ``fn`` (the signature of ``ple.reference.ple_gate``): ``(gated, conv_input)`` and, with ``grad``,
-    the gradients of key, value, hidden states and the three norm weights."""
+    the gradients of key, value, hidden states and the three norm weights.
+
+    ``families`` (`FAMILIES`): the Qwen4Exp family's cases call ``fn`` as the layer does for it (no
+    ``unit_offset`` / ``conv_eps``); the Engram family's pass ``unit_offset=False`` and a ``conv_eps`` other than
+    ``eps`` (docs/spec.md section 15), so a function that ignores either fails, naming the case's family."""
     check_options(dtypes=dtypes, max_hidden=max_hidden, grad=grad, max_examples=max_examples, seed=seed)
+    families = _checks.choices_arg("families", families, FAMILIES)
     names = ["key", "value", "hidden_states", "norm_key_weight", "norm_query_weight", "norm_conv_weight"]
 
     def body(case):
@@ -279,19 +359,22 @@ def check_ple_gate(fn: Callable[..., Any], *, dtypes: Sequence[torch.dtype] = DT
         def rows(n):
             t = randn((T, n + 3) if case["strided"] else (T, n), dt, g) * case["scale"]
             return t[:, :n]
-        inputs = dict(key=rows(C), value=rows(H), hidden_states=rows(C), norm_key_weight=randn((C,), dt, g) * 0.3,
-                      norm_query_weight=randn((C,), dt, g) * 0.3, norm_conv_weight=randn((C,), dt, g) * 0.3)
+        inputs = dict(key=rows(C), value=rows(H), hidden_states=rows(C),
+                      norm_key_weight=gate_weight((C,), dt, g, case), norm_query_weight=gate_weight((C,), dt, g, case),
+                      norm_conv_weight=gate_weight((C,), dt, g, case))
         ups = (randn((T, C), dt, g), randn((T, C), dt, g))
         wrt = names if grad else []
-        want, gw = _grads(ref.ple_gate, inputs, wrt, lambda outs: ups, eps=case["eps"])
+        kw = dict(eps=case["eps"], **gate_family_kwargs(case))
+        want, gw = _grads(ref.ple_gate, inputs, wrt, lambda outs: ups, **kw)
         with poisoned_empty():
-            got, gg = _grads(fn, inputs, wrt, lambda outs: ups, eps=case["eps"])
+            got, gg = call_with_family("ple_gate", lambda: _grads(fn, inputs, wrt, lambda outs: ups, **kw), case)
         exact, g64 = (None, None), {}
         # docs/spec.md section 8: where a score lies within 0.05 of zero, float32 is judged like bfloat16.
-        ill = dt == torch.float32 and bool((_scores(inputs, H, case["eps"]).abs() < 0.05).any())
+        ill = dt == torch.float32 and bool(
+            (_scores(inputs, H, case["eps"], unit_offset=case["unit_offset"]).abs() < 0.05).any())
         if dt in HALF_DTYPES or ill:
             exact, g64 = _grads(ref.ple_gate, {k: to64(v) for k, v in inputs.items()}, wrt,
-                                lambda outs: tuple(map(to64, ups)), eps=case["eps"])
+                                lambda outs: tuple(map(to64, ups)), **kw)
         where = lambda idx: f"token {idx[0]}, stream {idx[1] // H}, channel {idx[1]} ({idx[1] % H} of the stream)"  # noqa: E731
         for i, name in enumerate(("gated", "conv_input")):
             compare_close(got[i], want[i], exact[i], name=f"ple_gate: {name}", where=where, case=case, judge64=ill)
@@ -301,15 +384,16 @@ def check_ple_gate(fn: Callable[..., Any], *, dtypes: Sequence[torch.dtype] = DT
                 (lambda idx: f"channel {idx[0]} (stream {idx[0] // H})"))
             compare_close(gg[k], gw[k], g64.get(k), name=f"ple_gate: gradient of {k}", where=w, case=case, grad=True,
                           judge64=ill)
-    _prop(_gate_cases(dtypes, max_hidden), body, max_examples, seed)
+    _prop(_gate_cases(dtypes, max_hidden, families), body, max_examples, seed)
 
 
-def _scores(inputs: dict, hidden_size: int, eps: float) -> torch.Tensor:
-    """The gate scores ``s[t, m]`` in float64 (docs/spec.md section 4)."""
+def _scores(inputs: dict, hidden_size: int, eps: float, *, unit_offset: bool = True) -> torch.Tensor:
+    """The gate scores ``s[t, m]`` in float64 (docs/spec.md section 4; ``unit_offset``: section 15)."""
     H = hidden_size
     x = {k: v.detach().double() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
-    kn = ref.grouped_rms_norm(x["key"], x["norm_key_weight"], H, eps).unflatten(1, (-1, H))
-    qn = ref.grouped_rms_norm(x["hidden_states"], x["norm_query_weight"], H, eps).unflatten(1, (-1, H))
+    kn = ref.grouped_rms_norm(x["key"], x["norm_key_weight"], H, eps, unit_offset=unit_offset).unflatten(1, (-1, H))
+    qn = ref.grouped_rms_norm(x["hidden_states"], x["norm_query_weight"], H, eps,
+                              unit_offset=unit_offset).unflatten(1, (-1, H))
     return (kn * qn).sum(-1) / H**0.5
 
 

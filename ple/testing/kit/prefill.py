@@ -2,6 +2,9 @@
 
 Two Hypothesis properties, ``parts=("forward", "serving")``:
 
+Both gate families are drawn (``families``, as ``check_ple_gate``'s): the Engram family's cases pass
+``unit_offset=False`` and a ``conv_eps`` other than ``eps`` (docs/spec.md section 15).
+
 * **forward** (``conv_state=None``, the training / evaluation path): varlen ``query_start_loc``
   (empty and one-token requests, requests beyond one tile), ``keep`` masks (bool, or integers
   where any non-zero keeps), strided rows, both conv-weight layouts; ``out`` by the tolerance
@@ -53,7 +56,16 @@ from ... import reference as ref
 from ._options import check_options
 from ._report import compare_bits, compare_close, fmt_case, poisoned_empty, row_of
 from .cases import HALF_DTYPES, clone_state, fill_nans_, index_tensor, randn, request_rows, serving_state
-from .ops import _grads, _prop, _scores
+from .ops import (
+    FAMILIES,
+    _grads,
+    _prop,
+    _scores,
+    call_with_family,
+    draw_gate_family,
+    gate_family_kwargs,
+    gate_weight,
+)
 
 __all__ = ["check_ple_prefill", "prefill_cases"]
 
@@ -65,7 +77,7 @@ NAMES = ("key", "value", "hidden_states", "norm_key_weight", "norm_query_weight"
 
 @st.composite
 def prefill_cases(draw: st.DrawFn, part: str, *, dtypes: Sequence[torch.dtype] = DTYPES, max_hidden: int = 160,
-                  max_requests: int = 4) -> dict[str, Any]:
+                  max_requests: int = 4, families: Sequence[str] = FAMILIES) -> dict[str, Any]:
     """One ``ple_prefill`` call's description (plain values; the tensors come from ``seed``)."""
     length = st.one_of(st.integers(2, 12), st.integers(30, 70), st.sampled_from([0, 1]))   # empty requests too
     empty = draw(st.integers(0, 9)) == 0                      # now and then a batch of no requests
@@ -73,10 +85,12 @@ def prefill_cases(draw: st.DrawFn, part: str, *, dtypes: Sequence[torch.dtype] =
     R = len(lens)
     flags = st.lists(st.booleans(), min_size=R, max_size=R)
     small = [h for h in (1, 2, 3, 8, 40, 127, 160) if h <= max_hidden]
-    case = dict(part=part, lens=lens, M=draw(st.integers(1, 4)),
-                H=draw(st.one_of(st.sampled_from(small), st.integers(1, max_hidden))), K=draw(st.integers(1, 5)),
-                dilation=draw(st.integers(1, 4)), dtype=draw(st.sampled_from(list(dtypes))),
-                eps=draw(st.sampled_from([1e-6, 1e-5, 0.1])), scale=draw(st.sampled_from([1.0, 1e-3, 30.0])),
+    M = draw(st.integers(1, 4))
+    H = draw(st.one_of(st.sampled_from(small), st.integers(1, max_hidden)))
+    K, dilation, dtype = draw(st.integers(1, 5)), draw(st.integers(1, 4)), draw(st.sampled_from(list(dtypes)))
+    family = draw_gate_family(draw, families, dtype, [1e-6, 1e-5, 0.1])
+    case = dict(part=part, lens=lens, M=M, H=H, K=K, dilation=dilation, dtype=dtype, **family,
+                scale=draw(st.sampled_from([1.0, 1e-3, 30.0])),
                 keep=draw(st.sampled_from([None, "bool", "int"])), weight_layout=draw(st.sampled_from(["ck", "kc"])),
                 strided=draw(st.booleans()), index_dtype=draw(st.sampled_from([torch.int32, torch.int64])),
                 column_indices=draw(st.booleans()))
@@ -110,8 +124,8 @@ def build_prefill(case: dict[str, Any]) -> dict[str, Any]:
         return x[:, :n]
     s = case["scale"]
     inputs = dict(key=rows_of(C, s), value=rows_of(H, 1.0), hidden_states=rows_of(C, s),
-                  norm_key_weight=randn((C,), dt, g) * 0.3, norm_query_weight=randn((C,), dt, g) * 0.3,
-                  norm_conv_weight=randn((C,), dt, g) * 0.3, eps=case["eps"],
+                  norm_key_weight=gate_weight((C,), dt, g, case), norm_query_weight=gate_weight((C,), dt, g, case),
+                  norm_conv_weight=gate_weight((C,), dt, g, case), eps=case["eps"],
                   conv_weights=(randn((C, K), dt, g) if case["weight_layout"] == "ck" else randn((K, C), dt, g).t())
                   * 0.5)
     outside = sorted(set(range(T)) - set(rows))
@@ -163,7 +177,8 @@ def prefill_state_masks(state_indices_list: Sequence[int], lens: Sequence[int], 
 
 
 def _kwargs(t: dict, case: dict, conv_state=None) -> dict:
-    kw = dict(dilation=case["dilation"], query_start_loc=t["query_start_loc"], keep=t["keep"])
+    kw = dict(dilation=case["dilation"], query_start_loc=t["query_start_loc"], keep=t["keep"],
+              **gate_family_kwargs(case))
     if t["serving"]:
         kw.update(conv_state=conv_state, state_indices=t["state_indices"], has_initial_states=t["init"],
                   token_indices=t["token_indices"], null_slot=t["null_slot"])
@@ -197,7 +212,8 @@ def _grad_where(name: str, t: dict) -> Callable[[tuple], str]:
 
 def _ill(t: dict, case: dict) -> bool:
     """docs/spec.md section 8: a float32 gate score within 0.05 of zero is judged like bfloat16."""
-    return case["dtype"] == torch.float32 and bool((_scores(t["inputs"], t["H"], case["eps"]).abs() < 0.05).any())
+    scores = _scores(t["inputs"], t["H"], case["eps"], unit_offset=case.get("unit_offset", True))
+    return case["dtype"] == torch.float32 and bool((scores.abs() < 0.05).any())
 
 
 def check_one_forward(fn: Callable[..., Any], case: dict[str, Any]) -> None:
@@ -208,7 +224,8 @@ def check_one_forward(fn: Callable[..., Any], case: dict[str, Any]) -> None:
     up = (randn((len(t["rows"]), t["C"]), case["dtype"], g),)
     want, gw = _grads(ref.ple_prefill, t["inputs"], list(NAMES), lambda outs: up, **kw)
     with poisoned_empty():
-        got, gg = _grads(fn, t["inputs"], list(NAMES), lambda outs: up, **kw)
+        got, gg = call_with_family("ple_prefill", lambda: _grads(fn, t["inputs"], list(NAMES), lambda outs: up, **kw),
+                                   case)
     ill = _ill(t, case)
     exact, g64 = (None,), {}
     if case["dtype"] in HALF_DTYPES or ill:
@@ -253,7 +270,7 @@ def check_one_serving(fn: Callable[..., Any], case: dict[str, Any], exact_states
     with torch.no_grad():
         want = ref.ple_prefill(*t["inputs"].values(), **_kwargs(t, case, st_ref))
         with poisoned_empty():
-            got = fn(*t["inputs"].values(), **_kwargs(t, case, st_fn))
+            got = call_with_family("ple_prefill", lambda: fn(*t["inputs"].values(), **_kwargs(t, case, st_fn)), case)
         ill = _ill(t, case)
         exact = st64 = None
         if case["dtype"] in HALF_DTYPES or ill:
@@ -290,8 +307,8 @@ def check_one_serving(fn: Callable[..., Any], case: dict[str, Any], exact_states
 
 
 def check_ple_prefill(fn: Callable[..., Any], *, parts: Sequence[str] = PARTS, dtypes: Sequence[torch.dtype] = DTYPES,
-                      max_hidden: int = 160, max_requests: int = 4,
-                      exact_states: bool | None = None, max_examples: int = 25, seed: int | None = 0) -> None:
+                      max_hidden: int = 160, max_requests: int = 4, exact_states: bool | None = None,
+                      families: Sequence[str] = FAMILIES, max_examples: int = 25, seed: int | None = 0) -> None:
     """Check ``fn`` (the signature of ``ple.reference.ple_prefill``) against the reference.
 
     ``parts``: ``"forward"`` (``conv_state=None``: ``out`` and the gradients of key, value,
@@ -301,15 +318,18 @@ def check_ple_prefill(fn: Callable[..., Any], *, parts: Sequence[str] = PARTS, d
     computed from this call's rows are judged (see the module docstring): default bit for bit
     for bfloat16 / float16 inputs and by the float32 / float64 tolerance otherwise; copies of
     old columns and every bit the call must not write are always compared bit for bit.
-    Returns quietly, or raises ``AssertionError`` naming the smallest failing case.
+    ``families``: the gate families drawn (``ple.testing.kit.ops.FAMILIES``; ``("qwen4exp",)`` checks a function
+    that does not take ``unit_offset`` / ``conv_eps``). Returns quietly, or raises ``AssertionError`` naming the
+    smallest failing case.
     """
     check_options(dtypes=dtypes, max_hidden=max_hidden, max_requests=max_requests, exact_states=exact_states,
                   max_examples=max_examples, seed=seed)
     parts = _checks.choices_arg("parts", parts, PARTS)
+    families = _checks.choices_arg("families", families, FAMILIES)
     for part in parts:
         if part == "forward":
             body = lambda case: check_one_forward(fn, case)  # noqa: E731
         else:
             body = lambda case: check_one_serving(fn, case, exact_states)  # noqa: E731
-        _prop(prefill_cases(part, dtypes=dtypes, max_hidden=max_hidden, max_requests=max_requests), body,
-              max_examples, seed)
+        _prop(prefill_cases(part, dtypes=dtypes, max_hidden=max_hidden, max_requests=max_requests, families=families),
+              body, max_examples, seed)
