@@ -61,7 +61,8 @@ WAIVERS = {
                        ("_step_state_kernel", "st"), ("_export_kernel", "st"))},
     ("_ngram_kernel", "", "ld"): "ngram_ids: the shifted token reads ids[t - k] are 8-byte loads off a 16-byte "
                                  "boundary; they are 8 of the kernel's 136 bytes per token (its stores, 128 of "
-                                 "them, are 128-bit)",
+                                 "them, are 128-bit); the Engram family adds N + 1 token-map gathers per token "
+                                 "(8-byte loads at data-dependent addresses, mostly cache hits)",
     ("_ngram_kernel", "nf4", "ld"): "ngram_embedding_nf4: an NF4 row is 84 bytes, 4-byte aligned, so its 21 words "
                                     "are 32-bit loads (the widest the rows allow); each value's level is a 32-bit "
                                     "gather from the 64-byte level table, which stays in L1 (no DRAM bytes)",
@@ -157,6 +158,13 @@ def scenarios(smoke):
     nf4_rows = empty(320_001_536, D // 2 + 4, dtype=torch.uint8)                # 84-byte NF4 rows
     out.append(("ngram_embedding_nf4", f"fwd T={T}", lambda: (Hs._hash(*hash_args(), weight=nf4_rows, write_ids=False,
                                                                        nf4_dtype=torch.bfloat16), T)[1]))
+    # The Engram family (docs/spec.md section 15): the demo's token map (V 129280) and no EOS rule.
+    engram = lambda: dict(token_map=empty(129280, **i64), eos_rule=False)  # noqa: E731
+    out.append(("ngram_ids", f"engram T={T}", lambda: (Hs._hash(*hash_args(), **engram()), T)[1]))
+    out.append(("ngram_embedding", f"engram fwd T={T}", lambda: (Hs._hash(
+        *hash_args(), weight=empty(320_001_536, D), write_ids=False, **engram()), T)[1]))
+    out.append(("ngram_embedding_nf4", f"engram fwd T={T}", lambda: (Hs._hash(
+        *hash_args(), weight=nf4_rows, write_ids=False, nf4_dtype=torch.bfloat16, **engram()), T)[1]))
     gate = lambda: (empty(T, C), empty(T, H), empty(T, C), empty(C), empty(C), empty(C), 1e-6)  # noqa: E731
     from ple.fast import prefill as P
     out.append(("ple_prefill", f"fwd T={T}", lambda: (P._prefill_fwd(
@@ -166,6 +174,16 @@ def scenarios(smoke):
         empty(4, dtype=torch.int32), empty(4, dtype=torch.bool), None, 0), T)[1]))
     out.append(("ple_gate", f"fwd T={T}", lambda: (G._gate_fwd(*gate()), T)[1]))
     out.append(("ple_gate", f"bwd T={T}", lambda: (G._gate_bwd(empty(T, C), empty(T, C), *gate()), T)[1]))
+    # The Engram family's norms (docs/spec.md section 15): scale w, not 1 + w (UNIT_OFFSET=False), conv eps 1e-5.
+    engram_gate = (1e-5, False)
+    out.append(("ple_prefill", f"fwd T={T} engram", lambda: (P._prefill_fwd(
+        *gate(), empty(C, K), DIL, empty(5, dtype=torch.int32), None, None, None, None, None, 0, *engram_gate), T)[1]))
+    out.append(("ple_prefill", f"prefill T={T} R=4 engram cl", lambda: (P._prefill_fwd(
+        *gate(), empty(C, K), DIL, empty(5, dtype=torch.int32), None, state("channels_last", 512, S),
+        empty(4, dtype=torch.int32), empty(4, dtype=torch.bool), None, 0, *engram_gate), T)[1]))
+    out.append(("ple_gate", f"fwd T={T} engram", lambda: (G._gate_fwd(*gate(), *engram_gate), T)[1]))
+    out.append(("ple_gate", f"bwd T={T} engram", lambda: (G._gate_bwd(empty(T, C), empty(T, C), *gate(), *engram_gate),
+                                                          T)[1]))
     for case, x, cu in (("B=4 L=4096", empty(4, 4096, C), None),
                         ("packed T=16384 B=4", empty(16384, C), empty(5, dtype=torch.int32))):
         w = empty(C, K)
