@@ -34,10 +34,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _checks
+from ._engram_state import ENGRAM_KEYS, from_engram_keys, to_engram_keys
+from ._layer_parts import GroupedRMSNorm, NGramEmbedding
 from .backends import CustomOps, backend_module, resolve_backend, traits, triton_compiled_available
 from .config import PLEConfig
 from .offload import start_prefetch as _start_prefetch
-from .reference.hashing import HashParams, hash_params
 from .table import DenseTable, QuantizedTable, Table
 
 if TYPE_CHECKING:
@@ -65,76 +66,6 @@ class Intermediates(NamedTuple):
     conv_input: torch.Tensor    # [B, L, C]
     conv: torch.Tensor          # [B, L, C]
     output: torch.Tensor        # [B, L, C]
-
-
-class GroupedRMSNorm(nn.Module):
-    """Holds the weight of one grouped RMS norm (``[C]``). Qwen4Exp: starts at zero, scale ``1 + w``
-    (``unit_offset``); Engram (``unit_offset=False``): the demo's ``nn.RMSNorm`` weights side by side, starting
-    at one, scale ``w``."""
-
-    def __init__(self, channels: int, group_size: int, eps: float, device: torch.device | str | int | None = None,
-                 dtype: torch.dtype | None = None, *, unit_offset: bool = True) -> None:
-        super().__init__()
-        self.group_size = group_size
-        self.eps = eps
-        self.unit_offset = unit_offset
-        start = torch.zeros if unit_offset else torch.ones
-        self.weight = nn.Parameter(start(channels, device=device, dtype=dtype))
-
-    def extra_repr(self) -> str:
-        eps = "finfo(dtype).eps" if self.eps is None else self.eps
-        scale = "" if self.unit_offset else ", scale=w"
-        return f"{self.weight.shape[0]}, group_size={self.group_size}, eps={eps}{scale}"
-
-
-class NGramEmbedding(nn.Module):
-    """The hashed n-gram table of one PLE layer (``ple.table``) and its hash parameters as int64 buffers.
-
-    ``table`` defaults to a `DenseTable` of the config's size; any other `Table` (quantized,
-    sharded, ...) must have the same number of rows and row width.
-    """
-
-    layer_multipliers: torch.Tensor          # buffers, registered in __init__
-    ngram_heads_vocab_sizes: torch.Tensor
-    ngram_heads_offsets: torch.Tensor
-    token_map: torch.Tensor | None           # not saved: the config's (Engram family), or None
-    ngram_embedding: Table
-
-    def __init__(self, config: PLEConfig, ple_layer_index: int, device: torch.device | str | int | None = None,
-                 dtype: torch.dtype | None = None, *, table: Table | None = None, sparse_grad: bool = False) -> None:
-        super().__init__()
-        params = hash_params(config, ple_layer_index)
-        D = config.ngram_head_dim
-        if table is None:
-            table = DenseTable(params.num_rows, D, device=device, dtype=dtype, sparse_grad=sparse_grad)
-        elif not isinstance(table, Table):
-            raise TypeError(f"table: expected a ple.table.Table, got {type(table).__name__}")
-        elif (table.num_rows, table.dim) != (params.num_rows, D):
-            raise ValueError(f"table: PLE index {ple_layer_index} of this config needs a table of "
-                             f"{params.num_rows} rows of {D}, got {table.num_rows} rows of {table.dim}")
-        self.ngram_embedding = table
-        self.register_buffer("layer_multipliers", params.multipliers.to(device))
-        self.register_buffer("ngram_heads_vocab_sizes", params.head_sizes.to(device))
-        self.register_buffer("ngram_heads_offsets", params.head_offsets.to(device))
-        tmap = None if params.token_map is None else params.token_map.to(device)
-        self.register_buffer("token_map", tmap, persistent=False)      # moves with .to(); the config is its record
-        self.vocab_size = config.vocab_size
-        self.eos_rule = params.eos_rule
-
-    def hash_params(self) -> HashParams:
-        """The hash parameters as stored in this module's buffers (so loaded buffers are what is used), with the
-        family's window rule and token map."""
-        return HashParams(self.layer_multipliers, self.ngram_heads_vocab_sizes, self.ngram_heads_offsets,
-                          self.ngram_embedding.num_rows, self.vocab_size, self.token_map, self.eos_rule)
-
-    def quantize_(self, scheme: str) -> None:
-        """Replace the float table by its quantization, in place: ``"fp8"``, ``"int8"`` or ``"nf4"`` (``ple.quant``).
-        A table whose values are not in memory (on the meta device, e.g. ``ple.io.disk.DiskTable``) is a
-        ``ValueError``: quantize its checkpoint with ``ple.io.convert`` instead."""
-        if self.ngram_embedding.weight.device.type == "meta":
-            raise ValueError(f"table: cannot quantize a table whose values are not in memory "
-                             f"({type(self.ngram_embedding).__name__}); convert its checkpoint with ple.io.convert")
-        self.ngram_embedding = QuantizedTable.from_float(self.ngram_embedding.weight.detach(), scheme)
 
 
 class PLELayer(nn.Module):
@@ -216,8 +147,8 @@ class PLELayer(nn.Module):
         if not engram:
             nn.init.zeros_(self.conv1d.weight)
         else:
-            self.register_state_dict_post_hook(_to_engram_keys)
-            self.register_load_state_dict_pre_hook(_from_engram_keys)
+            self.register_state_dict_post_hook(to_engram_keys)
+            self.register_load_state_dict_pre_hook(from_engram_keys)
         self.set_backend(backend)
         if ops is not None:
             self._custom_ops = CustomOps(ops)
@@ -469,85 +400,3 @@ class PLELayer(nn.Module):
         c = self.config
         return (f"ple_layer_index={self.ple_layer_index}, backend={self.backend!r}, C={c.hc_hidden_size}, "
                 f"E={c.ple_embed_dim}, NH={c.num_ngram_heads}, K={c.ple_conv_kernel_size}, d={c.conv_dilation}")
-
-
-# ---- the Engram family's state-dict keys (docs/engram.md) --------------------------------------------------------
-ENGRAM_KEYS: dict[str, str] = {
-    "ple_embedding.ngram_heads_offsets": "multi_head_embedding.offsets",
-    "ple_embedding.ngram_embedding.": "multi_head_embedding.embedding.",     # weight (and a quantized table's scale)
-    "conv1d.weight": "short_conv.conv.weight",
-    "norm_conv.weight": "short_conv.norms.{m}.weight",
-    "value_proj.weight": "value_proj.weight",
-    "value_proj.bias": "value_proj.bias",
-    "key_proj.weight": "key_projs.{m}.weight",
-    "key_proj.bias": "key_projs.{m}.bias",
-    "norm_key.weight": "norm1.{m}.weight",
-    "norm_query.weight": "norm2.{m}.weight",
-}
-"""An Engram-family `PLELayer`'s parameter (left) and the demo module's key it is saved under (right), in the
-demo's order; ``{m}`` keys hold stream m's rows ``[m * H, (m + 1) * H)`` of the fused parameter. The hash
-multipliers and head sizes are not saved (the demo derives them from its config, as the layer does)."""
-
-_DERIVED = ("ple_embedding.layer_multipliers", "ple_embedding.ngram_heads_vocab_sizes")
-
-
-def _to_engram_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: object) -> None:
-    """``state_dict`` post-hook of an Engram-family layer: ple's keys become the demo module's (`ENGRAM_KEYS`)."""
-    layer = cast(PLELayer, module)
-    M, H = layer.config.hc_count, layer.config.hidden_size
-    mine = {k[len(prefix):]: state_dict.pop(k) for k in list(state_dict) if k.startswith(prefix)}
-    streams: dict[str, list[tuple[str, torch.Tensor]]] = {}              # a ModuleList's keys: stream by stream
-    for ours, theirs in ENGRAM_KEYS.items():
-        if ours.endswith("."):                                             # every entry of the table
-            for k in [k for k in mine if k.startswith(ours)]:
-                state_dict[prefix + theirs + k[len(ours):]] = mine.pop(k)
-        elif "{m}" in theirs:
-            whole = mine.pop(ours)
-            group = streams.setdefault(theirs.split(".{m}.")[0], [])
-            # each stream its own tensor (safetensors refuses tensors sharing memory); keep_vars: views of the parameter
-            group += [(theirs.format(m=m), whole[m * H:(m + 1) * H] if whole.requires_grad
-                       else whole[m * H:(m + 1) * H].clone()) for m in range(M)]
-        else:
-            state_dict[prefix + theirs] = mine.pop(ours)
-        if "{m}" in theirs and ours != "key_proj.weight":                # key_projs: weight and bias of each stream
-            for name, part in sorted(streams.pop(theirs.split(".{m}.")[0]),
-                                     key=lambda kv: int(kv[0].split(".")[-2])):
-                state_dict[prefix + name] = part
-    for k in _DERIVED:
-        mine.pop(k, None)
-    state_dict.update({prefix + k: v for k, v in mine.items()})            # anything else, as it was
-
-
-def _from_engram_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: object,
-                      strict: bool, missing_keys: list[str], unexpected_keys: list[str],
-                      error_msgs: list[str]) -> None:
-    """``load_state_dict`` pre-hook of an Engram-family layer: the demo module's keys become ple's. Missing
-    stream keys are left missing (the loader reports them); the demo's offsets must be this config's."""
-    layer = cast(PLELayer, module)
-    M = layer.config.hc_count
-    for ours, theirs in ENGRAM_KEYS.items():
-        if ours.endswith("."):
-            for k in [k for k in state_dict if k.startswith(prefix + theirs)]:
-                state_dict[prefix + ours + k[len(prefix + theirs):]] = state_dict.pop(k)
-        elif "{m}" in theirs:
-            keys = [prefix + theirs.format(m=m) for m in range(M)]
-            if all(k in state_dict for k in keys):
-                state_dict[prefix + ours] = torch.cat([state_dict.pop(k) for k in keys])
-        elif prefix + theirs in state_dict and theirs != ours:
-            state_dict[prefix + ours] = state_dict.pop(prefix + theirs)
-    offsets_key = prefix + "ple_embedding.ngram_heads_offsets"
-    own = layer.ple_embedding.ngram_heads_offsets
-    got = state_dict.get(offsets_key)
-    known = isinstance(got, torch.Tensor) and "meta" not in (got.device.type, own.device.type)   # values to compare
-    if known and got is not None and (got.shape != own.shape or not torch.equal(got.cpu(), own.cpu())):
-        raise ValueError(f"state_dict: {prefix}multi_head_embedding.offsets {got.tolist()} differ from this config's "
-                         f"{own.tolist()} (another engram_vocab_size, n_head_per_ngram or layer_ids?)")
-    for k in _DERIVED:                                                     # derived from the config, as the demo does
-        state_dict.setdefault(prefix + k, _buffer(layer, k))
-
-
-def _buffer(layer: PLELayer, key: str) -> torch.Tensor:
-    owner: Any = layer
-    for part in key.split("."):
-        owner = getattr(owner, part)
-    return cast(torch.Tensor, owner)

@@ -22,7 +22,7 @@ LAYERS = [
     ("bottom", ["ple.config", "ple._progress", "ple._checks", "ple.quant", "ple.params", "ple._deprecation"]),
     ("ops", ["ple.backends", "ple.reference", "ple.vectorized", "ple.fast"]),
     ("table", ["ple.table", "ple.offload", "ple.optim"]),
-    ("layer", ["ple.layer"]),
+    ("layer", ["ple.layer", "ple._layer_parts", "ple._engram_state"]),
     ("state", ["ple.state"]),
     ("io", ["ple.io"]),
     ("distributed", ["ple.distributed"]),

@@ -308,39 +308,22 @@ def _state_dict(ckpt: Checkpoint, plan: LayerPlan, *, device: torch.device, dtyp
         values = check.found if check.found is not None else check.expected
         sd[check.key] = torch.tensor(values, dtype=torch.int64, device=device)
     C = cfg.hc_hidden_size
-    if plan.merged_kv:
-        kv = small(KV_PROJ)
-        sd[KEY_PROJ], sd[VALUE_PROJ] = kv[:C].clone(), kv[C:].clone()
-        if plan.biases:                                         # the Engram family's, key first
-            kv_bias = small(KV_BIAS)
-            sd[KEY_BIAS], sd[VALUE_BIAS] = kv_bias[:C].clone(), kv_bias[C:].clone()
-    else:
-        sd[KEY_PROJ], sd[VALUE_PROJ] = small(KEY_PROJ), small(VALUE_PROJ)
-        if plan.biases:
-            sd[KEY_BIAS], sd[VALUE_BIAS] = small(KEY_BIAS), small(VALUE_BIAS)
+    pairs = [(KEY_PROJ, VALUE_PROJ, KV_PROJ)] + ([(KEY_BIAS, VALUE_BIAS, KV_BIAS)] if plan.biases else [])
+    for key, value, merged in pairs:                            # the weights, then the Engram family's biases
+        if plan.merged_kv:                                      # one tensor, the key's rows first
+            both = small(merged)
+            sd[key], sd[value] = both[:C].clone(), both[C:].clone()
+        else:
+            sd[key], sd[value] = small(key), small(value)
     for key in NORMS + (CONV,):
         sd[key] = small(key)
     return sd
 
 
 def _assign(layer: PLELayer, sd: dict[str, torch.Tensor], device: torch.device) -> None:
-    """Put ``sd`` (ple's own names, `_state_dict`) into ``layer``, built on ``meta``: every tensor assigned, strictly.
-
-    Loaded child by child rather than through ``layer.load_state_dict``: an Engram-family layer's ``state_dict``
-    hooks speak the demo module's keys and compare the offsets with the layer's own (on ``meta``: no values);
-    ``plan_layer`` has checked the buffers against the config already. The layer holds no tensor of its own, so
-    each child's strict load covers every key. The Engram family's ``token_map`` buffer, which no checkpoint holds
-    (the config does), is made on ``device``.
-    """
-    children = dict(layer.named_children())
-    parts: dict[str, dict[str, torch.Tensor]] = {name: {} for name in children}
-    for key, t in sd.items():
-        head, _, rest = key.partition(".")
-        if head not in parts:
-            raise ValueError(f"{key}: not a tensor of a PLE layer")          # (a bug: _state_dict makes the keys)
-        parts[head][rest] = t
-    for name, child in children.items():
-        child.load_state_dict(parts[name], strict=True, assign=True)
+    """Put ``sd`` (ple's own names, `_state_dict`) into ``layer``, built on ``meta``, strictly; an Engram-family
+    layer's ``token_map`` buffer, which no checkpoint holds (the config does), is made on ``device``."""
+    layer.load_state_dict(sd, strict=True, assign=True)
     tmap = hash_params(layer.config, layer.ple_layer_index).token_map
     if tmap is not None:
         layer.ple_embedding.token_map = tmap.to(device)

@@ -280,3 +280,17 @@ def test_serving_streams_equal_the_forward(backend):
         res = replay(layers, cache, script, generator=torch.Generator().manual_seed(1))
     assert res.state_checks > 0
     check_replay(layers, res)
+
+
+def test_serving_steps_turn_no_tensor_into_a_python_value():
+    """The Engram family's token map and pad reach the step as tensors: a step of every mode makes no host sync."""
+    c = with_map(small(), 3)
+    layers = [PLELayer(c, i, backend="torch") for i in range(c.num_ple_layers)]
+    cache = ple.state.PLECache(c, num_slots=5, num_spec_tokens=2)
+    script = random_script(random.Random(1), vocab_size=c.vocab_size, eos_token_id=c.pad_id, num_requests=4,
+                           num_spec_tokens=2)
+    with torch.no_grad():
+        res = replay(layers, cache, script, check_states=False, count_conversions=True)
+    assert {kind for step in res.steps for kind in ("prefill", "decode", "spec") if step[kind]} == \
+        {"prefill", "decode", "spec"}
+    assert res.conversions == []
