@@ -116,7 +116,7 @@ def forward_cases(layer, demo, B, L, cfg, gen, compiled=None):
         params = [p for p in module.parameters() if p.requires_grad]
 
         def fn():
-            h = hidden.clone().requires_grad_()
+            h = hidden.detach().requires_grad_()      # a leaf sharing the storage: no copy timed
             out = call(h)
             return torch.autograd.grad(out, [h, *params], up)
         return fn
@@ -125,7 +125,7 @@ def forward_cases(layer, demo, B, L, cfg, gen, compiled=None):
     demo_bwd = grads_of(demo, lambda h: h + demo(h.view(B, L, M, H), ids_np).reshape(B, L, C))
 
     def gemms_bwd():
-        e = emb.clone().requires_grad_()
+        e = emb.detach().requires_grad_()
         k, v = F.linear(e, kw, kb), F.linear(e, vw, vb)
         return torch.autograd.grad((k, v), [e, kw, kb, vw, vb], (up.reshape(B * L, C), up.reshape(B * L, C)[:, :H]))
 

@@ -238,3 +238,16 @@ def test_bench_engram_smoke(monkeypatch, tmp_path):
     assert {r["variant"] for r in rows} == {"torch", "demo", "gemms"}
     assert {r["case"].split()[0] for r in rows} == {"forward", "fwd+bwd", "decode"}
     assert all(float(r["ms"]) > 0 for r in rows)
+
+
+def test_bench_prefill_backward_smoke(monkeypatch, tmp_path):
+    """``bench_prefill_backward.py --smoke``: both widths, both variants timed, their gradients agree (else exit 1)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("bench_prefill_backward", None)
+    import bench_prefill_backward
+
+    out = tmp_path / "prefill.csv"
+    assert bench_prefill_backward.main(["--smoke", "--csv", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert {r["variant"] for r in rows} == {"blocked", "composition"}
+    assert {r["case"].split()[0] for r in rows} == {"engram", "qwen4exp"}

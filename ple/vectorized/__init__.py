@@ -42,7 +42,8 @@ runs; float32, then bfloat16). A path or "when" is named in the op's module (``g
 | | ``_conv_gathered`` | under ``torch.compile`` | general |
 | ``ple_prefill`` | ``_forward_blocked`` | ``takes_blocked_forward_path`` (c) | fwd 1x2048: 1.27-1.36x, 1.11-1.13x; |
 | | | | fwd 8x256: 1.07-1.08x, 1.14-1.16x |
-| | gate, ``keep`` mask, conv, adds | otherwise: four combinations (f) | general |
+| | ``prefill.BlockedPrefill`` | ``takes_blocked_backward_path`` (g) | op fwd+bwd (h): 6.4x, 2.4x |
+| | gate, ``keep`` mask, conv, adds | otherwise: three combinations (f) | general |
 | ``table_update`` | sort, segment sums, gather, scatter | a lookup (none: returns) | one path |
 
 (a) On the CPU, eagerly, no autograd, more rows than one block (``gate.BLOCK_ROWS``, 64).
@@ -58,7 +59,7 @@ reads, its history from column ``num_accepted_tokens - 1`` of a window of ``S + 
 keeps ``S + q - 1`` columns. (e) Eagerly, decode rows on a state in the inputs' dtype that has a row view
 (``rows.state_rows``: ``PLECache``'s default ``channels_last`` layout, or any layout with one slot, one
 column or one channel), K > 1, at least one request, the null slot inside the state.
-(f) ``ple_prefill``'s five reachable combinations; "autograd" is ``records_grad`` of its tensors, the conv
+(f) ``ple_prefill``'s six reachable combinations; "autograd" is ``records_grad`` of its tensors, the conv
 weights included. The gate takes its own path as in its row above (``BlockGate`` needs the CPU, eager,
 more than 64 rows and no autograd on the gate's own inputs, so with autograd it runs only where the conv
 weights alone require a gradient); "the training conv" is ``dilated_causal_conv``'s body (``_TapSum``
@@ -67,12 +68,31 @@ eagerly, ``_conv_gathered`` compiled):
 * no conv state, no autograd, on the CPU, eagerly: ``_forward_blocked``, the fast path (c);
 * no conv state, no autograd, on another device or compiled: the gate (whole batch there), ``keep``
   applied in place, the training conv, the adds (inference where the blocked path does not run);
-* no conv state, autograd: the gate, ``keep`` applied out of place, the training conv, the adds
-  (training);
+* no conv state, autograd, on the CPU, eagerly, float32 / float64: ``prefill.BlockedPrefill`` (g), the
+  blocked forward and a backward recomputed per block (training on the CPU);
+* no conv state, autograd, on another device, compiled, or in bfloat16 / float16: the gate, ``keep``
+  applied out of place, the training conv, the adds (training);
 * a conv state, no autograd: the gate, ``keep`` in place, then ``conv._ple_conv(mode="prefill")`` (its
   general path) adds y and ``hidden_states`` into ``gated`` itself and writes the states (serving);
 * a conv state, autograd: the same into a clone of ``gated``, ``keep`` out of place (so autograd sees
   no in-place op on a tensor it saved).
+
+(g) No conv state, on the CPU, eagerly, autograd recording, float32 or float64: a ``torch.autograd.Function``
+whose forward is ``_forward_blocked`` (same bits) saving the inputs and the rows' score sums, and whose
+backward (``prefill_grad.backward_blocked``) recomputes per block of ``gate.BLOCK_ROWS`` rows in scratch
+buffers of one or two blocks: the conv's ``dpre`` in row order, added back into a conv-input gradient that
+lives in two blocks of rows, each tap inside its sequence; then, one block behind, the norms' and gate's
+backward in closed form. Gradients within the tolerance (``tests/vectorized/test_blocked.py``). Not twice
+differentiable. bfloat16 and float16 keep the composition: this backward sums in float32 without rounding
+its intermediates to the input dtype, so its gradients strayed further from the model's autograd
+(``bench_layer_cpu.py``'s bfloat16 gradient check at C 2048: 0.019 relative to transformers' against the
+composition's 0.0043, when bfloat16 took it).
+(h) ``benchmarks/bench_prefill_backward.py`` (the op alone, forward and ``autograd.grad`` of all seven
+inputs, T 2048 in one sequence, float32, 2 threads, both paths interleaved in one run): Engram widths
+(C 4096) 60.7 ms against the composition's 390.2 ms (6.4x), Qwen4Exp widths (C 2048) 34.0 against 80.1 ms
+(2.4x); at C 4096 every ``[T, C]`` float32 temporary of the composition is 32 MiB, which glibc maps fresh
+and the kernel zeroes page by page on first touch. The Engram layer's forward and backward
+(``bench_engram.py``) is within its bar of the GEMMs with it ([engram.md](../../docs/engram.md#measured)).
 
 With a conv state and ``token_indices``, the physical rows no logical row maps to are zeroed afterwards.
 

@@ -4,6 +4,9 @@
 Two paths (``ple/vectorized/__init__.py`` has the measurements):
 
 * the composition above, the general one (autograd, ``torch.compile``, a conv state, any device);
+* `BlockedPrefill`, on the CPU without a conv state, eagerly, where autograd records (training), in float32 or
+  float64: `_forward_blocked` as the forward, and a backward recomputed in blocks of rows
+  (``prefill_grad.backward_blocked``);
 * `_forward_blocked`, on the CPU without a conv state and with nothing recording autograd or compiling
   (inference, evaluation): the composition in blocks of ``gate.BLOCK_ROWS`` rows. A first pass makes
   every row's score sums, the gates of all rows follow at once, and a second pass runs gate, mask,
@@ -18,7 +21,10 @@ Two paths (``ple/vectorized/__init__.py`` has the measurements):
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch.autograd.function import once_differentiable
 
 from .. import _checks
 from .. import reference as _reference
@@ -27,9 +33,10 @@ from ..backends import twin
 from ..reference.gate import acc_dtype
 from .conv import _ple_conv
 from .gate import BLOCK_ROWS, BlockGate, gate, records_grad
+from .prefill_grad import backward_blocked
 from .training_conv import _conv, conv_activation
 
-__all__ = ["ple_prefill", "takes_blocked_forward_path", "takes_blocked_path"]
+__all__ = ["ple_prefill", "takes_blocked_forward_path", "takes_blocked_backward_path", "takes_blocked_path"]
 
 
 @twin(_reference.ple_prefill)
@@ -48,7 +55,9 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
     runs ``prefill._forward_blocked`` instead: the same ops and rounding points in blocks of scratch
     buffers, reading the (CPU) ``query_start_loc`` on the host. Where autograd records, every step is out
     of place (``keep`` multiplied, ``gated`` cloned before a state's conv writes into it); else the mask
-    is applied in place. ``ple/vectorized/__init__.py`` lists the five combinations."""
+    is applied in place. With autograd, on the CPU, eagerly, without a conv state and in float32 or
+    float64 it runs `BlockedPrefill`: that blocked forward, saving the inputs and the score sums, with a
+    backward recomputed per block. ``ple/vectorized/__init__.py`` lists the six combinations."""
     _checks.prefill_meta(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
                  conv_weights, dilation=dilation, query_start_loc=query_start_loc, keep=keep,
                  conv_state=conv_state, state_indices=state_indices, has_initial_states=has_initial_states,
@@ -63,6 +72,9 @@ def ple_prefill(key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Ten
     if takes_blocked_forward_path(key, conv_state, grad):
         return _forward_blocked(key, value, hidden_states, *norms, eps, H, conv_weights, dilation,
                                 query_start_loc, keep, conv_eps, unit_offset)
+    if takes_blocked_backward_path(key, conv_state, grad):
+        return BlockedPrefill.apply(key, value, hidden_states, *norms, conv_weights, eps, H, dilation,
+                                    query_start_loc, keep, conv_eps, unit_offset)
     gated, conv_input = gate(key, value, hidden_states, *norms, eps, H, conv_eps=conv_eps, unit_offset=unit_offset)
     if keep is not None:
         mask = (keep != 0).to(gated.dtype)[:, None]
@@ -91,14 +103,26 @@ def takes_blocked_forward_path(key: torch.Tensor, conv_state: torch.Tensor | Non
     return conv_state is None and not grad and key.device.type == "cpu" and not torch.compiler.is_compiling()
 
 
+def takes_blocked_backward_path(key: torch.Tensor, conv_state: torch.Tensor | None, grad: bool) -> bool:
+    """Whether `ple_prefill` runs `BlockedPrefill` (the blocked forward, a backward recomputed per
+    block): no conv state, autograd recording (``grad``), on the CPU, eagerly, in float32 or float64 (a
+    bfloat16 or float16 run keeps autograd's composition, whose intermediate gradients round as the model's)."""
+    return (conv_state is None and grad and key.device.type == "cpu" and not torch.compiler.is_compiling()
+            and acc_dtype(key.dtype) == key.dtype)
+
+
 takes_blocked_path = deprecated_function(takes_blocked_forward_path, "takes_blocked_path", since="0.1.0")
 """Deprecated since 0.1.0 (``ple.vectorized.gate.takes_blocked_path`` was another function):
 `takes_blocked_forward_path`."""
 
 
 def _forward_blocked(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight, eps,
-                     hidden_size, conv_weights, dilation, query_start_loc, keep, conv_eps=None, unit_offset=True):
+                     hidden_size, conv_weights, dilation, query_start_loc, keep, conv_eps=None, unit_offset=True,
+                     sums=None):
     """``(gated + y) + hidden_states`` of whole requests from zero history, without autograd, in blocks.
+
+    ``sums``: where given (``[T, M]``, the input dtype), the rows' score sums are made into it (`BlockedPrefill`
+    keeps them for its backward); else into a buffer of the call's own.
 
     Only the output is a ``[T, C]`` buffer: each block's gated values and conv inputs live in scratch
     buffers of one block, which the next block reuses (so they stay in cache), and the conv reads a
@@ -128,7 +152,7 @@ def _forward_blocked(key, value, hidden_states, norm_key_weight, norm_query_weig
     taps = key.new_empty(m_max, C, dtype=acc)                          # the block's tap sums
     product = key.new_empty(m_max, C, dtype=acc)
 
-    sums = key.new_empty(T, C // H)
+    sums = key.new_empty(T, C // H) if sums is None else sums
     for a in range(0, T, n):
         block.score_sums(key[a:a + n], hidden_states[a:a + n], sums[a:a + n])
     gates = block.gates(sums)
@@ -161,6 +185,34 @@ def _forward_blocked(key, value, hidden_states, norm_key_weight, norm_query_weig
         torch.add(g, y, out=y)
         torch.add(y, hidden_states[a:b], out=out[a:b])
     return out
+
+
+class BlockedPrefill(torch.autograd.Function):
+    """`_forward_blocked` with autograd: the forward saves the inputs and the rows' score sums (``[T, M]``); the
+    backward (``prefill_grad.backward_blocked``) recomputes per block of rows what else it needs. Float32 and
+    float64 only (`takes_blocked_backward_path`). Not twice differentiable."""
+
+    @staticmethod
+    def forward(ctx: Any, key: torch.Tensor, value: torch.Tensor, hidden_states: torch.Tensor,
+                norm_key_weight: torch.Tensor, norm_query_weight: torch.Tensor, norm_conv_weight: torch.Tensor,
+                conv_weights: torch.Tensor, eps: float, hidden_size: int, dilation: int,
+                query_start_loc: torch.Tensor, keep: torch.Tensor | None, conv_eps: float | None,
+                unit_offset: bool) -> torch.Tensor:
+        sums = key.new_empty(key.shape[0], key.shape[1] // hidden_size)
+        out = _forward_blocked(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight,
+                               eps, hidden_size, conv_weights, dilation, query_start_loc, keep, conv_eps,
+                               unit_offset, sums)
+        ctx.save_for_backward(key, value, hidden_states, norm_key_weight, norm_query_weight, norm_conv_weight,
+                              conv_weights, sums)
+        ctx.args = (eps, hidden_size, dilation, query_start_loc, keep, conv_eps, unit_offset)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        grads = backward_blocked(grad_out.contiguous(), *ctx.saved_tensors, *ctx.args)
+        return (*(g if need else None for g, need in zip(grads, ctx.needs_input_grad)),
+                None, None, None, None, None, None, None)
 
 
 def _sequence_starts_by_block(query_start_loc: torch.Tensor, num_tokens: int, n: int) -> dict[int, list[int]]:
