@@ -55,6 +55,12 @@ of the machine's memory); a table per dtype as above, then tokens/s side by side
     python benchmarks/bench_disk_table.py --rows 6_710_880 --table-dtypes bfloat16,fp8,nf4
     python benchmarks/bench_disk_table.py --real --no-memory --keep-file # 48 GiB on disk
     python benchmarks/bench_disk_table.py --smoke
+    python benchmarks/bench_disk_table.py --rows 13_421_760 --cold-reads 4096   # 2 GiB FP8: cold reads vs fio
+
+``--cold-reads ROWS`` measures only the cold reads: per table, ``--cold-rounds`` rounds of fio's random 4 KiB
+reads at queue depth 32 on the table's own files (5 s, direct I/O where allowed), then 6 gathers of ROWS distinct
+random rows, the files' pages dropped before each (no row cache); rows/s against fio's IOPS, and the growth of
+the process's mapped file pages (RssFile) over the gathers.
 
 The checkpoint goes to ``--dir`` (default ``$TMPDIR/ple_bench_disk_table``; the cold numbers are
 those of that disk) and is deleted at the
@@ -287,6 +293,50 @@ def time_layer(layer: PLELayer, mode: str, cfg: PLEConfig, steps: int, batch: in
     return tokens / total
 
 
+def cold_reads(args, paths: dict[str, Path], served: dict[str, dict]) -> str:
+    """``--cold-reads``: per table, rounds of fio (random 4 KiB reads, queue depth 32, direct I/O where the file
+    system allows, else buffered with the pages dropped first) then 6 cold gathers of distinct random rows (the
+    files' pages dropped before each, no row cache); rows/s over the gathers' time against fio's IOPS, both
+    summed over the rounds, and how much the gathers grew the process's mapped file pages (RssFile)."""
+    from bench_disk_training import _fio, drop_files  # here: it imports this module
+
+    lines = ["| table | round | fio qd 32 IOPS | cold rows/s | / fio | RssFile growth |",
+             "|---|---|---:|---:|---:|---:|"]
+    gen = torch.Generator().manual_seed(3)
+    for name, path in paths.items():
+        table = pio.load_layer(path, offload="disk", cache_bytes=0, backend="torch").table
+        assert isinstance(table, DiskTable)
+        files = [Path(f) for f in table.files]
+        rec = served[name]["cold_reads"] = {"rows": args.cold_reads, "rounds": []}
+        for r in range(args.cold_rounds):
+            job = dict(rw="randread", bs="4k", iodepth=32, time_based=1, readonly=True)
+            for direct, engine in ((1, "io_uring"), (1, "libaio"), (0, "io_uring")):
+                try:
+                    drop_files(files)
+                    iops = _fio(":".join(map(str, files)), None, 5, direct, engine, job)["iops"]
+                    break
+                except RuntimeError:
+                    continue
+            seconds, rss = 0.0, _kib_field("/proc/self/status", "RssFile")
+            for _ in range(6):
+                ids = torch.randperm(table.num_rows, generator=gen)[: args.cold_reads].view(-1, 1)
+                table.drop_page_cache()
+                t0 = time.perf_counter()
+                table.gather(ids)
+                seconds += time.perf_counter() - t0
+            rate = 6 * ids.numel() / seconds
+            growth = _kib_field("/proc/self/status", "RssFile") - rss
+            rec["rounds"].append({"fio_iops": iops, "fio": f"direct={direct} {engine}", "rows_per_s": rate,
+                                  "rss_file_growth": growth})
+            lines.append(f"| {name} | {r + 1} | {iops:,.0f} | {rate:,.0f} | {rate / iops:.2f} | "
+                         f"{growth / 2**20:.1f} MiB |")
+        total = sum(x["rows_per_s"] for x in rec["rounds"]) / sum(x["fio_iops"] for x in rec["rounds"])
+        rec["ratio"] = total
+        lines.append(f"| {name} | all | | | {total:.2f} | |")
+        table.close()
+    return "\n".join(lines)
+
+
 # ---- main ---------------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -310,6 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1: this shared 2-core machine)")
     ap.add_argument("--json", default="", help="write the results here as JSON")
     ap.add_argument("--smoke", action="store_true", help="tiny: checks the script runs")
+    ap.add_argument("--cold-reads", type=int, default=0, metavar="ROWS",
+                    help="instead of the streams: cold gathers of ROWS distinct random rows (pages dropped before "
+                         "each) against fio's random 4 KiB reads at queue depth 32 on the same files")
+    ap.add_argument("--cold-rounds", type=int, default=3, help="--cold-reads: rounds (fio, then 6 gathers, each)")
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.table_dtypes.split(",")] if args.table_dtypes else [args.table_dtype]
     unknown = [n for n in names if n not in TABLE_DTYPES]
@@ -352,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             marker.write_text(json.dumps(served[n]["write"]))
             print(f"wrote {nbytes / 2**30:.2f} GiB{'' if len(names) == 1 else ' of ' + n} in {seconds:.0f} s "
                   f"({nbytes / seconds / 1e6:.0f} MB/s)")
-        results = run(args, cfg, paths, rows, served)
+        results = cold_reads(args, paths, served) if args.cold_reads else run(args, cfg, paths, rows, served)
     finally:
         if not args.keep_file:
             for path in paths.values():

@@ -15,8 +15,9 @@
   (``load_layer(..., offload="disk", overlay=DIR)``, ``ple.io.disk_train``), block by block.
 * ``ple.io.policy``: what transformers would load wrong, and the ``ple_only`` mark.
 * `inspect`: what a checkpoint holds, from its headers.
-* `DiskTable` (``ple.io.disk``): a table left in its files and read through read-only memory
-  maps and a row cache, ``load_layer(..., offload="disk", cache_bytes=N)``.
+* `DiskTable` (``ple.io.disk``): a table left in its files, read in place (positional reads, many in
+  flight) through a row cache, ``load_layer(..., offload="disk", cache_bytes=N)``; trainable through an
+  overlay (``ple.io.overlay``).
 
 Command line: ``python -m ple inspect PATH``, ``python -m ple convert SRC DST`` and
 ``python -m ple merge PATH DIR OUT``.

@@ -1,18 +1,20 @@
 """The files of an overlay directory (`ple.io.overlay.OverlayStore`): its segments, its manifest, its lock; and
-the row `Layout` and the `HashIndex` (row id -> entry) the store keeps in memory.
+the row `Layout`. (The store's index, off the heap: ``_overlay_index``.)
 
 A *segment* (``seg-<serial>.safetensors``) is an immutable safetensors file of rows: ``ids`` (int64
-``[n]``), ``rows`` (``[n, D]``) and one ``state.<name>`` tensor per optimizer state (``[n, *shape]``),
-in order of decreasing item size so that every tensor is aligned. It is written in place under its final
-name and fsynced (`write_segment`); it means nothing until a manifest lists it, so a half-written one is
-only a leftover, deleted at the next open. Each tensor's bytes (and the header's) have a CRC-32, kept by the
-manifest.
+``[n]``, sorted and distinct: the store searches them where they lie, mapped), ``rows`` (``[n, D]``) and
+one ``state.<name>`` tensor per optimizer state (``[n, *shape]``), in order of decreasing item size so
+that every tensor is aligned. It is written in place under its final name and fsynced (`write_segment`); it
+means nothing until a manifest lists it, so a half-written one is only a leftover, deleted at the next
+open. Each tensor's bytes (and the header's) have a CRC-32, kept by the manifest.
 
 The *manifest* (``manifest.json``) is the overlay: its generation, the row layout, the base's fingerprint,
-the caller's ``meta`` and the list of segments with their sizes and checksums, in the order they were
-written (a row in a later segment replaces the same row in an earlier one). It carries a CRC-32 of its own
-body. `write_manifest` writes it to ``manifest.json.tmp``, fsyncs it, renames it over ``manifest.json``
-and fsyncs the directory: the switch from one generation to the next is that one rename.
+the caller's ``meta`` and the list of segments with their sizes, checksums and live rows (those no later
+segment replaces: the merges' guide; a manifest of an earlier version lacks them, and the store counts them
+at open), in the order they were written (a row in a later segment replaces the same row in an earlier
+one). It carries a CRC-32 of its own body. `write_manifest` writes it to ``manifest.json.tmp``, fsyncs it,
+renames it over ``manifest.json`` and fsyncs the directory: the switch from one generation to the next is
+that one rename.
 
 The *lock* (``overlay.lock``, `DirLock`) is in ``_overlay_lock``: one writer at a time, readers shared.
 """
@@ -37,7 +39,7 @@ from .files import dtype_name
 from .mapped import MappedFile, map_view
 from .writer import ST_DTYPES, bytes_of, fsync_dir
 
-__all__ = ["MANIFEST", "LOCK", "Layout", "Segment", "DirLock", "HashIndex", "write_segment", "read_manifest",
+__all__ = ["MANIFEST", "LOCK", "Layout", "Segment", "DirLock", "write_segment", "read_manifest",
            "write_manifest", "segment_name", "clean_leftovers", "jsonable", "differences",
            "as_ids", "parse_layout"]
 
@@ -117,69 +119,7 @@ class Layout:
                 "state": {n: [list(s), dtype_name(dt)] for n, s, dt in self.state}}
 
 
-# ---- the index and the fingerprint -----------------------------------------------------------------
-_GOLDEN = 0x9E3779B97F4A7C15 - (1 << 64)      # Fibonacci hashing's multiplier, as a (wrapping) int64
-
-
-class HashIndex:
-    """Row id (>= 0) -> entry number: an open-addressing hash table (linear probing, at most half full) of
-    ``[id, entry]`` pairs (id -1: empty), searched and filled a probe step at a time for all ids together. A
-    lookup costs about one memory access (one cache line), where a binary search over millions of ids costs
-    about twenty; 32 to 64 bytes a row."""
-
-    def __init__(self, ids: torch.Tensor, ents: torch.Tensor) -> None:
-        self.bits = max(10, (2 * ids.numel()).bit_length())
-        self.table = torch.full((1 << self.bits, 2), -1, dtype=torch.int64)
-        self.count = 0
-        self._place(ids, ents)
-
-    def _home(self, ids: torch.Tensor) -> torch.Tensor:
-        return ((ids * _GOLDEN) >> (64 - self.bits)) & ((1 << self.bits) - 1)
-
-    def find(self, ids: torch.Tensor) -> torch.Tensor:
-        """The entries of ``ids`` (-1 where absent)."""
-        out = torch.full_like(ids, -1)
-        idx = (ids >= 0).nonzero().squeeze(1)
-        q, h = ids[idx], self._home(ids[idx])
-        while idx.numel():
-            pair = self.table.index_select(0, h)               # (index_select: faster than t[h] on the CPU)
-            found = pair[:, 0] == q
-            out[idx[found]] = pair[found, 1]
-            go = ~found & (pair[:, 0] >= 0)                    # not here, and the probe goes on
-            idx, q, h = idx[go], q[go], (h[go] + 1) & ((1 << self.bits) - 1)
-        return out
-
-    def insert(self, ids: torch.Tensor, ents: torch.Tensor) -> None:
-        """Add ``ids`` (>= 0, distinct, none present) with their entries; doubles the table past half full."""
-        if 2 * (self.count + ids.numel()) > self.table.shape[0]:
-            old = self.table[self.table[:, 0] >= 0]
-            self.bits = (4 * (self.count + ids.numel())).bit_length()
-            self.table = torch.full((1 << self.bits, 2), -1, dtype=torch.int64)
-            self.count = 0
-            self._place(old[:, 0], old[:, 1])
-        self._place(ids, ents)
-
-    def _place(self, ids: torch.Tensor, ents: torch.Tensor) -> None:
-        self.count += ids.numel()
-        h = self._home(ids)
-        while ids.numel():
-            empty = self.table[h, 0] < 0
-            self.table[h[empty], 0] = ids[empty]              # ids probing one slot: one of them wins it
-            won = self.table[h, 0] == ids
-            self.table[h[won], 1] = ents[won]
-            ids, ents, h = ids[~won], ents[~won], (h[~won] + 1) & ((1 << self.bits) - 1)
-
-    def sorted(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(ids, entries)`` of every row, sorted by id."""
-        pairs = self.table[self.table[:, 0] >= 0]
-        ids, order = torch.sort(pairs[:, 0])
-        return ids, pairs[order, 1]
-
-    @property
-    def nbytes(self) -> int:
-        return self.table.nbytes
-
-
+# ---- ids and the fingerprint ---------------------------------------------------------------------
 def as_ids(ids: torch.Tensor) -> torch.Tensor:
     """``ids`` checked (a 1-d integer tensor) as int64 on the CPU."""
     if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype.is_complex \
@@ -264,7 +204,8 @@ class Segment:
         self.path = directory / info["file"]
         self.rows = int(info["rows"])
         self.size = int(info["size"])
-        self.live = 0                                    # rows whose current value is this segment's
+        self.fences = torch.empty(0, dtype=torch.int64)   # every FENCE_EVERY-th id (set by the store)
+        self.live = int(info.get("live", self.rows))     # rows no later segment replaces (the manifest's; else all)
         try:
             size = self.path.stat().st_size
         except OSError as e:
@@ -324,7 +265,7 @@ class Segment:
             self._check_crc(self.file.fd, key, begin, end)
 
     def check_head(self) -> None:
-        """Check the checksums of the header and the ids (which the store's index is built from)."""
+        """Check the checksums of the header and the ids (which the store's bitmap and fences are built from)."""
         self._check(["header", "ids"])
 
     def verify(self) -> None:

@@ -1,6 +1,7 @@
-"""The segment files of an `~ple.io.overlay.OverlayStore`: reading rows from them, writing new ones, retiring
-old ones, and the merges that keep a flush's cost to the rows it changes (a mixin of the store; its state
-lives there, see ``ple.io.overlay``)."""
+"""The segment files of an `~ple.io.overlay.OverlayStore`: finding rows in them (newest first, through the
+bitmap and each segment's fences), reading them, writing new ones, retiring old ones, and the merges that keep
+a flush's cost to the rows it changes, streamed in bounded chunks (a mixin of the store; its state and its
+constants live there, see ``ple.io.overlay``)."""
 
 from __future__ import annotations
 
@@ -12,18 +13,13 @@ import torch
 
 from . import _overlay_files as ofiles
 from ._overlay_files import Segment
+from ._overlay_index import IdBitmap, fences_of, find_sorted, merge_sorted
 from .mapped import read_rows
 
 if TYPE_CHECKING:
-    from ._overlay_files import HashIndex, Layout
+    from ._overlay_files import Layout
 
-__all__ = ["SegmentFiles", "MAX_SEGMENTS"]
-
-MAX_SEGMENTS = 32
-"""Segments past this many are merged whatever their sizes."""
-
-_CHUNK = 65536                   # rows read or written at a time by flushes, merges and `items`
-_SHIFT = 32                      # where a row is on disk: serial << 32 | row
+__all__ = ["SegmentFiles"]
 
 
 class SegmentFiles:
@@ -34,31 +30,98 @@ class SegmentFiles:
     _segments: dict[int, Segment]
     _doomed: list[Path]
     _next_serial: int
-    _index: HashIndex
-    _e_loc: torch.Tensor
+    _on_disk: IdBitmap
     _counts: dict[str, int]
+    fence_every: int
+    chunk_bytes: int
+    max_segments: int
 
-    def _read_disk(self, locs: torch.Tensor, pos: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
-        """``out[key][pos[i]] = `` the values at ``locs[i]`` (serial << 32 | row), segment by segment."""
-        serial = locs >> _SHIFT
-        for s in torch.unique(serial).tolist():
-            seg = self._segments[s]
-            seg.verify()
+    @property
+    def _chunk_rows(self) -> int:
+        """Rows a flush, a merge or a scan handles at a time: ``chunk_bytes`` of rows and their bookkeeping."""
+        return max(self.fence_every, self.chunk_bytes // (self.layout.row_bytes + 64))
+
+    # ---- finding and reading ------------------------------------------------------------------------------
+    def _attach(self, seg: Segment) -> None:
+        """Index a segment: its fences (checking its ids sorted and distinct), and its ids in the bitmap."""
+        seg.fences = fences_of(seg.ids, self.fence_every, self._chunk_rows * 8, seg.check, str(seg.path),
+                               self._on_disk.add)
+
+    def _find_disk(self, ids: torch.Tensor, pos: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+        """``out[key][pos[i]] = `` the current disk values of ``ids[i]`` (all on disk): the newest segment
+        holding each, segments searched newest first, only for the ids not found yet."""
+        for seg in reversed(list(self._segments.values())):
+            if not ids.numel():
+                return
             seg.check()
-            sel = serial == s
-            rows, p = locs[sel] & ((1 << _SHIFT) - 1), pos[sel]
-            bufs = {k: torch.empty((rows.numel(), *o.shape[1:]), dtype=o.dtype) for k, o in out.items()}
-            read_rows([(seg.views[k], rows, bufs[k]) for k in out])
-            for k, o in out.items():
-                o.index_copy_(0, p, bufs[k])
+            rows = find_sorted(seg.ids, seg.fences, self.fence_every, ids)
+            hit = rows >= 0
+            if bool(hit.any()):
+                self._read_from(seg, rows[hit], pos[hit], out)
+                ids, pos = ids[~hit], pos[~hit]
+        if ids.numel():
+            raise RuntimeError(f"overlay: {self.directory}: ids {ids[:8].tolist()} are marked on disk but no "
+                               f"segment holds them (a bug)")
 
+    def _read_from(self, seg: Segment, rows: torch.Tensor, pos: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+        """``out[key][pos] = `` segment ``seg``'s values of rows ``rows``."""
+        seg.verify()
+        seg.check()
+        bufs = {k: torch.empty((rows.numel(), *o.shape[1:]), dtype=o.dtype) for k, o in out.items()}
+        read_rows([(seg.views[k], rows, bufs[k]) for k in out])
+        for k, o in out.items():
+            o.index_copy_(0, pos, bufs[k])
+
+    # ---- writing and retiring -----------------------------------------------------------------------------
     def _write(self, n: int, chunks: Iterable[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> Segment:
         serial, self._next_serial = self._next_serial, self._next_serial + 1
         info = ofiles.write_segment(self.directory, serial, self.layout, n, chunks)
         self._counts["bytes_written"] += info["size"]
         seg = Segment(self.directory, info, self.layout, serial, durable=False, trusted=True)
         self._segments[serial] = seg
+        try:
+            seg.fences = fences_of(seg.ids, self.fence_every, self._chunk_rows * 8, seg.check, str(seg.path))
+        except BaseException:
+            del self._segments[serial]
+            seg.close()
+            seg.path.unlink(missing_ok=True)
+            raise
         return seg
+
+    def _write_new(self, ids: torch.Tensor, chunks: Iterable[tuple[torch.Tensor, dict[str, torch.Tensor]]]) -> int:
+        """Write rows ``ids`` (sorted, distinct; their values from ``chunks``) as a new segment: the newest, whose
+        rows replace the copies of older segments (each loses the live rows it held of them), their ids set in
+        the bitmap. Returns how many were on no segment before."""
+        before = self._on_disk.test(ids)
+        seg = self._write(ids.numel(), chunks)
+        seg.live = ids.numel()
+        older = [s for s in reversed(self._segments.values()) if s is not seg]
+        again = ids[before]
+        for a in range(0, again.numel(), self._chunk_rows):     # the newest older segment holding each: its copy
+            q = again[a: a + self._chunk_rows]                   # was live until now
+            for old in older:
+                if not q.numel():
+                    break
+                old.check()
+                found = find_sorted(old.ids, old.fences, self.fence_every, q) >= 0
+                old.live -= int(found.sum())
+                q = q[~found]
+        return self._on_disk.add(ids[~before])
+
+    def _count_live(self) -> None:
+        """Each segment's live rows, counted: its ids less those a later segment holds (a manifest of an earlier
+        version does not list them). Streams each segment's ids through the later ones' searches."""
+        segs = list(self._segments.values())
+        for i, seg in enumerate(segs):
+            seg.live = seg.rows
+            for a in range(0, seg.rows, self._chunk_rows):
+                seg.check()
+                q = seg.ids[a: a + self._chunk_rows].clone()
+                for later in segs[i + 1:]:
+                    later.check()
+                    found = find_sorted(later.ids, later.fences, self.fence_every, q) >= 0
+                    seg.live -= int(found.sum())
+                    q = q[~found]
 
     def _retire(self, seg: Segment) -> None:
         del self._segments[seg.serial]
@@ -68,55 +131,53 @@ class SegmentFiles:
         else:
             seg.path.unlink(missing_ok=True)
 
-    def _rewrite(self, old: list[Segment], ids: torch.Tensor, ents: torch.Tensor) -> None:
-        """Write the current values of entries ``ents`` (ids ``ids``, sorted), all in ``old``, as one new
-        segment, and retire ``old``."""
-        n, locs = ids.numel(), self._e_loc[ents]
+    def _merged(self, segs: list[Segment]) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """The union of ``segs`` (oldest first) by id, the latest copy of each: ``(ids, seg index, row)``."""
+        def check() -> None:
+            for s in segs:
+                s.check()
+        return merge_sorted([s.ids for s in segs], self._chunk_rows, check)
+
+    def _rewrite(self, old: list[Segment]) -> None:
+        """Write the union of ``old`` (consecutive segments, the newest last; the latest copy of each row) as one
+        new segment, streamed, and retire ``old``. Two passes over the ids: one counts the rows (the file's
+        layout needs the count first), one writes them."""
+        n = sum(ids.numel() for ids, _, _ in self._merged(old))
 
         def chunks() -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-            for a in range(0, n, _CHUNK):
-                b = min(n, a + _CHUNK)
-                out = {k: torch.empty((b - a, *s), dtype=dt) for k, dt, s in self.layout.fields}
-                self._read_disk(locs[a:b], torch.arange(b - a), out)
-                yield ids[a:b], out
+            for ids, which, rows in self._merged(old):
+                out = {k: torch.empty((ids.numel(), *s), dtype=dt) for k, dt, s in self.layout.fields}
+                for i in torch.unique(which).tolist():
+                    sel = (which == i).nonzero().squeeze(1)
+                    self._read_from(old[i], rows[sel], sel, out)
+                yield ids, out
         if n:
-            seg = self._write(n, chunks())
-            self._e_loc[ents] = (seg.serial << _SHIFT) + torch.arange(n)
-            seg.live = n
+            self._write(n, chunks()).live = n
         for s in old:
             self._retire(s)
 
-    def _live_rows(self, segs: list[Segment]) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(ids, entries)`` of the rows whose current value is in ``segs``, sorted by id."""
-        ids, ents = [torch.empty(0, dtype=torch.int64)], [torch.empty(0, dtype=torch.int64)]
-        for seg in segs:
-            seg.check()
-            i = seg.ids.clone()
-            e = self._index.find(i)
-            live = self._e_loc[e] == (seg.serial << _SHIFT) + torch.arange(seg.rows)
-            ids.append(i[live])
-            ents.append(e[live])
-        all_ids, order = torch.sort(torch.cat(ids))
-        return all_ids, torch.cat(ents)[order]
+    # ---- merges -------------------------------------------------------------------------------------------
+    def _dead_rows(self) -> int:
+        """Rows of the segments that a later segment replaces: all their rows less the distinct ids on disk
+        (the bitmap's count; the segments' ``live`` add up to it, kept by `_write_new` and the manifest)."""
+        return sum(s.rows for s in self._segments.values()) - self._on_disk.count
 
     def _maybe_merge(self) -> None:
-        for seg in [s for s in self._segments.values() if s.live == 0]:
-            self._retire(seg)
+        for seg in [s for s in self._segments.values() if s.live <= 0]:
+            self._retire(seg)                            # every row replaced by a later segment's
         segs = list(self._segments.values())
-        live = sum(s.live for s in segs)
-        if sum(s.rows for s in segs) - live > live:                  # dead rows outnumber live ones: compact
-            ids, ents = self._index.sorted()
-            on = self._e_loc[ents] >= 0
-            self._rewrite(segs, ids[on], ents[on])
+        if self._dead_rows() > self._on_disk.count:      # dead rows outnumber live ones: compact
+            self._rewrite(segs)
             self._counts["compactions"] += 1
             return
         # The binary counter: the newest segment absorbs the one before it while that one holds no more live
-        # rows than it (or while there are too many). Decided first and written once: merging pairwise would
-        # rewrite the growing newest segment once per segment absorbed (many spilled segments at a flush).
+        # rows than it and those absorbed (or while there are too many). Decided first and written once: merging
+        # pairwise would rewrite the growing newest segment once per segment absorbed (many spilled segments at
+        # a flush).
         k, total = 1, segs[-1].live if segs else 0
-        while k < len(segs) and (segs[-k - 1].live <= total or len(segs) - k + 1 > MAX_SEGMENTS):
+        while k < len(segs) and (segs[-k - 1].live <= total or len(segs) - k + 1 > self.max_segments):
             total += segs[-k - 1].live
             k += 1
         if k > 1:
-            self._rewrite(segs[-k:], *self._live_rows(segs[-k:]))
+            self._rewrite(segs[-k:])
             self._counts["merges"] += 1

@@ -1,11 +1,12 @@
-"""A table read in place from its checkpoint: `DiskTable`, memory-mapped safetensors files and a row cache.
+"""A table read in place from its checkpoint: `DiskTable`, safetensors files read in place and a row cache.
 
 The real table (320,001,536 rows of 160: 95 GiB in bfloat16, 48 GiB in FP8) need not be in
 memory at all. ``load_layer(path, offload="disk", cache_bytes=N)`` returns a layer whose table
 is a `DiskTable`: every file holding a piece of the table (whole, or its shards, in one file or
-many) is mapped read only (``mmap``, ``PROT_READ``), and a lookup copies just the rows it needs
-out of the mapping. Nothing reads the whole table; the kernel's page cache holds what was read
-recently (it is not the process's own memory, and the kernel gives it back under pressure), and
+many) is opened read only, and a lookup reads just the rows it needs with positional reads
+(``os.preadv``) into the process's own buffers. Nothing reads the whole table; the kernel's page
+cache holds what was read recently (it is not the process's own memory, and the kernel gives it
+back under pressure), and
 a bounded cache of rows in the process's memory (`RowCache`, ``cache_bytes``) keeps hot rows
 across steps whatever the page cache does. It is a ``ple.table.Table``: ``forward``, ``step``,
 ``start_prefetch`` and the transformers patch use it as any other table.
@@ -13,9 +14,11 @@ across steps whatever the page cache does. It is a ``ple.table.Table``: ``forwar
 A lookup (``table.rows``, through `DiskTable.gather`, on the host):
 
 1. the ids ``[T, NH]`` are deduplicated (``torch.unique``), so a row wanted twice is read once;
-2. the cache is asked for the distinct rows; those it lacks (misses) are read from the mapping,
-   file by file, shard by shard, in row order, by several threads when there are many (a cold
-   read waits on the disk: reading with several threads keeps several reads in flight);
+2. the cache is asked for the distinct rows; those it lacks (misses) are read from the files,
+   sorted by file and offset, neighbours in the same or adjacent 4 KiB pages read by one request,
+   ``READ_DEPTH`` (64) requests in flight from as many reader threads (a cold read waits on the
+   disk, which serves many at once: ``ple.io._reads``); the file's pages are never mapped into the
+   process, so they do not count in its resident memory;
 3. the misses enter the cache, evicting the least recently used rows of their sets (below);
 4. the rows are put back in the ids' order and moved to the ids' device; an FP8, int8 or NF4 table
    is dequantized there, by the formula of the in-memory table (``ple.quant``; NF4 rows are
@@ -36,9 +39,10 @@ bookkeeping together; rows are kept in the table's stored dtype (NF4: packed row
 costs ``D/2 + 4`` bytes); it is 16-way set associative, least recently used within a set.
 ``table.stats()`` counts what happened (``bytes_read``: the stored bytes, packed for NF4).
 
-Safety (``ple.io.mapped``): the files are mapped read only and never written; each is checked
-when mapped (header and size) and before every read (size and modification time), so a file
-truncated or changed after loading is a ``ValueError`` naming it, not a crash.
+Safety (``ple.io.mapped``): the files are opened (and mapped, for their headers) read only and never
+written; each is checked when opened (header and size) and before every read (size and modification
+time), so a file truncated or changed after loading is a ``ValueError`` naming it, not a crash; one cut
+while its rows are being read gives a short read, a ``ValueError`` naming it too.
 
 A `DiskTable` has no gradient tensor and its ``state_dict`` holds only the scales. It trains only through
 an overlay (``load_layer(..., overlay=DIR)``, ``ple.io.disk_train``): a row optimizer (``ple.optim``)
@@ -63,9 +67,10 @@ from .._deprecation import deprecated_parameter
 from ..offload import start_gather
 from ..quant import scheme_of
 from ..table import is_float_table, row_grad_lookup
+from ._reads import READ_DEPTH, pread_rows
 from .disk_train import OverlayTraining
 from .files import Checkpoint, dtype_name, human_bytes
-from .mapped import READ_THREADS, MappedFile, TablePiece, map_view, read_rows
+from .mapped import READ_THREADS, MappedFile, TablePiece
 from .row_cache import CACHE_WAYS, SLOT_OVERHEAD, RowCache
 
 if TYPE_CHECKING:
@@ -74,7 +79,7 @@ if TYPE_CHECKING:
     from ..backends import CustomOps
     from .layout import LayerPlan
 
-__all__ = ["DiskTable", "RowCache", "DISK_CACHE_BYTES", "CACHE_WAYS", "READ_THREADS"]
+__all__ = ["DiskTable", "RowCache", "DISK_CACHE_BYTES", "CACHE_WAYS", "READ_THREADS", "READ_DEPTH"]
 
 DISK_CACHE_BYTES = 256 << 20
 """Default ``cache_bytes`` of ``load_layer(..., offload="disk")``: the row cache's memory."""
@@ -86,7 +91,7 @@ _COUNTERS = ("gathers", "rows", "unique_rows", "hits", "misses", "rows_read", "b
 
 
 class DiskTable(OverlayTraining):
-    """A table whose rows stay in the checkpoint's safetensors files, read through read-only memory maps.
+    """A table whose rows stay in the checkpoint's safetensors files, read in place (positional reads).
 
     Build it with ``ple.io.load_layer(path, offload="disk", cache_bytes=N)`` (or
     `DiskTable.from_checkpoint`); see the module docstring for how lookups, the cache and the
@@ -103,7 +108,7 @@ class DiskTable(OverlayTraining):
 
     `stats` (this class only; other tables have none) counts the lookups, `reset_stats` zeroes the
     counters, `clear_cache` empties the cache, `drop_page_cache` asks the kernel to forget the
-    files' pages (for cold measurements), `close` releases the mappings.
+    files' pages (for cold measurements), `close` releases the files.
     """
 
     def __init__(self, pieces: Sequence[TablePiece], files: Sequence[MappedFile], *, num_rows: int, dim: int,
@@ -137,32 +142,19 @@ class DiskTable(OverlayTraining):
         self._overlay = None
 
     def _map_pieces(self, num_rows: int) -> None:
-        """One ``[n, units]`` view per file and row alignment, covering every piece aligned that way in it.
-
-        Shards written one after the other (as ``ple.io.save`` writes them) share one view, so a gather is
-        one ``index_select`` per file whatever the shard count (the real model's table has 128 shards).
-        Row ``r`` of piece ``k`` is row ``r + delta[k]`` of view ``view_of[k]``.
-        """
+        """Where each row is: row ``r`` of piece ``k`` is the ``row_bytes`` bytes at ``origin[k] + r * row_bytes``
+        of file ``file_of[k]`` (an index into ``_files``). Rows of shards written one after the other (as
+        ``ple.io.save`` writes them) are neighbours in their file, so a gather's reads coalesce across shards."""
         rb = self._row_bytes
-        groups: dict[tuple[int, int], list[TablePiece]] = {}
-        for p in self._pieces:
-            groups.setdefault((id(p.file), p.offset % rb), []).append(p)
-        self._views: list[torch.Tensor] = []
-        delta, view_of = [], []
-        index = {}
-        for k, ps in enumerate(groups.values()):
-            base = min(p.offset for p in ps)
-            end = max(p.offset + (p.stop - p.start) * rb for p in ps)
-            self._views.append(map_view(ps[0].file, base, (end - base) // rb, self._units, self._unit))
-            for p in ps:
-                index[id(p)] = (k, (p.offset - base) // rb - p.start)
-        for p in self._pieces:
-            k, d = index[id(p)]
-            view_of.append(k)
-            delta.append(d)
+        index = {id(f): i for i, f in enumerate(self._files)}
         self._piece_starts = torch.tensor([p.start for p in self._pieces] + [num_rows], dtype=torch.int64)
-        self._delta = torch.tensor(delta, dtype=torch.int64)
-        self._view_of = torch.tensor(view_of, dtype=torch.int64)
+        self._origin = torch.tensor([p.offset - p.start * rb for p in self._pieces], dtype=torch.int64)
+        self._file_of = torch.tensor([index[id(p.file)] for p in self._pieces], dtype=torch.int64)
+        keys: dict[int, list[str]] = {}
+        for p in self._pieces:
+            keys.setdefault(index[id(p.file)], []).append(p.key)
+        self._file_keys = [k[0] + (f" (and {len(k) - 1} more)" if len(k) > 1 else "")      # errors name them
+                           for k in (keys.get(i, ["table rows"]) for i in range(len(self._files)))]
 
     # ---- building ----------------------------------------------------------------------------------------
     @classmethod
@@ -278,7 +270,6 @@ class DiskTable(OverlayTraining):
         `flush` are dropped; a ``with`` block flushes first: `__exit__`); a lookup after is a ``RuntimeError``."""
         with self._lock:
             self._closed = True
-            self._views = []
             for f in self._files:
                 f.close()
             if self._overlay is not None:
@@ -356,7 +347,8 @@ class DiskTable(OverlayTraining):
         return urows
 
     def _read(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows of sorted distinct ids from the mappings, ``[n, units]``: each file checked first."""
+        """Rows of sorted distinct ids from the files, ``[n, units]``: each file checked first, then the rows read
+        with ``READ_DEPTH`` positional reads in flight into a buffer of this call (``ple.io._reads.pread_rows``)."""
         out = torch.empty((ids.numel(), self._units), dtype=self._unit)
         if not ids.numel():
             return out
@@ -367,20 +359,9 @@ class DiskTable(OverlayTraining):
             if id(p.file) not in checked:
                 p.file.check(p.key)
                 checked.add(id(p.file))
-        rows = ids + self._delta.index_select(0, piece)                   # rows of the views
-        if len(self._views) == 1:
-            read_rows([(self._views[0], rows, out)])
-            return out
-        view = self._view_of.index_select(0, piece)
-        parts = []
-        for v, source in enumerate(self._views):
-            sel = (view == v).nonzero().squeeze(1)
-            if sel.numel():
-                parts.append((source, rows.index_select(0, sel), sel,
-                              torch.empty((sel.numel(), self._units), dtype=self._unit)))
-        read_rows([(source, r, part) for source, r, _, part in parts])     # every file's reads at once
-        for _, _, sel, part in parts:
-            out.index_copy_(0, sel, part)
+        offsets = self._origin.index_select(0, piece) + ids * self._row_bytes
+        pread_rows(self._files, self._file_of.index_select(0, piece), offsets, self._row_bytes, out,
+                   what=self._file_keys)
         return out
 
     def _check_scales(self, ids: torch.Tensor, rows: torch.Tensor) -> None:

@@ -3,7 +3,8 @@
 ``load_layer(path, offload="disk", overlay=DIR)`` gives the `DiskTable` a `TableOverlay`: the checkpoint's
 files stay read only, and the rows a row optimizer (``ple.optim``) changes, with their optimizer state, live
 in an `~ple.io.overlay.OverlayStore` in ``DIR`` (in memory up to ``overlay_bytes``, spilled to files in DIR
-beyond it, durable at ``layer.table.flush()``).
+beyond it, durable at ``layer.table.flush()``; its index off the heap: a bitmap of the table's rows, 1 bit
+each, and the segments' ids searched where they lie on disk).
 
 A lookup reads each row's overlay value where it has one, else the base row (through the row cache, as
 before): `TableOverlay.overlaid`. A row optimizer's step (`TableOverlay.update`) works on a compact table of
@@ -122,7 +123,8 @@ class TableOverlay:
             if dtype is not None and dtype_name(dtype) != found.get("dtype"):
                 raise ValueError(f"overlay_dtype: the overlay in {directory} holds {found.get('dtype')} rows, "
                                  f"not {dtype_name(dtype)} (leave overlay_dtype out to resume it)")
-            store = OverlayStore.open(directory, base=base, dim=None, memory_bytes=memory_bytes)
+            store = OverlayStore.open(directory, base=base, dim=None, memory_bytes=memory_bytes,
+                                      table_rows=table.num_rows)
             if store.layout.dim != table.dim:
                 store.close()
                 raise ValueError(f"overlay: {directory} holds rows of {store.layout.dim} values, the table's have "
@@ -130,7 +132,8 @@ class TableOverlay:
         else:
             if dtype is None:
                 dtype = torch.bfloat16 if table.quantized else table.weight.dtype
-            store = OverlayStore.open(directory, base=base, dim=table.dim, dtype=dtype, memory_bytes=memory_bytes)
+            store = OverlayStore.open(directory, base=base, dim=table.dim, dtype=dtype, memory_bytes=memory_bytes,
+                                      table_rows=table.num_rows)
         return cls(table, store)
 
     @property

@@ -1,19 +1,25 @@
-"""The checkpoint's files mapped read only, for `ple.io.disk.DiskTable`: `MappedFile` (one file, its
-header checked again from the mapping, its size and modification time watched), `TablePiece` (rows of
-the table in one file), `map_view` (a tensor over the mapping, no copy) and `read_rows` (row gathers
-out of the mappings, split over reader threads).
+"""The checkpoint's files opened read only, for `ple.io.disk.DiskTable`: `MappedFile` (one file, mapped read
+only, its header checked again from the mapping, its size and modification time watched), `TablePiece` (rows
+of the table in one file), `map_view` (a tensor over the mapping, no copy) and `read_rows` (row gathers out of
+tensors such as those views, split over `READ_THREADS` threads: the overlay's segment files are read so).
+
+A `DiskTable` does not read its rows through the mapping: it reads them with positional reads, `READ_DEPTH`
+in flight, into buffers it owns (``ple.io._reads.pread_rows``), so the file's pages are never the process's
+resident memory and a cold gather keeps the disk's queue full. The mapping serves the header checks (and
+`map_view` for readers of small files).
 
 Safety. The files are mapped read only and never written. When a file is mapped, its header is
 read again from the mapping and checked against what ``load_layer`` validated (dtype, shape,
 offsets), and its size against the header (the data must end exactly at the end of the file,
-as safetensors requires). A memory-mapped read of a page past the end of a file that was
-truncated after mapping kills the process (SIGBUS), so before every read from a mapping the
-file is checked (one ``os.fstat`` per file): a size or modification time that differs from the
-mapped file's is a ``ValueError`` naming the file and the tensor, raised before anything is
-read or changed (the cache and the counters stay as they were). What this does not cover: a
-file truncated *during* a read (between the check and the copy, a window of one gather) still
-raises SIGBUS, as any memory-mapped reader would; and a file replaced by another (a rename over
-it) is not an error: the mapping holds the old file, whose rows are still the ones loaded.
+as safetensors requires). Before every read of a table's rows the file is checked (one ``os.fstat``
+per file): a size or modification time that differs from the mapped file's is a ``ValueError``
+naming the file and the tensor, raised before anything is read or changed (the cache and the
+counters stay as they were). A file truncated *during* a table's read (between the check and the
+read) gives a short read: a ``ValueError`` naming the file, nothing cached. A memory-mapped read
+(`map_view`, `read_rows` over one) of a page past the end of a file truncated after mapping kills
+the process (SIGBUS), as any memory-mapped reader would, so callers check the file first; and a file
+replaced by another (a rename over it) is not an error: the descriptor and the mapping hold the old
+file, whose rows are still the ones loaded.
 """
 
 from __future__ import annotations
@@ -32,12 +38,14 @@ from typing import Any, cast
 
 import torch
 
+from ._reads import READ_DEPTH
 from .files import ST_DTYPES, dtype_name
 
-__all__ = ["MappedFile", "TablePiece", "map_view", "read_rows", "READ_THREADS"]
+__all__ = ["MappedFile", "TablePiece", "map_view", "read_rows", "READ_THREADS", "READ_DEPTH"]
 
 READ_THREADS = 8
-"""Threads that read a gather's misses from the mappings (a cold read waits on the disk)."""
+"""Threads of `read_rows` (gathers out of mapped views: the overlay's segment files). A `DiskTable`'s own reads
+keep `READ_DEPTH` positional reads in flight instead (``ple.io._reads``)."""
 
 _MIN_CHUNK = 16                 # rows a reader thread is given at least
 
@@ -55,7 +63,8 @@ def readers() -> ThreadPoolExecutor:
 
 
 class MappedFile:
-    """One safetensors file mapped read only, its header parsed from the mapping, its size and mtime kept."""
+    """One safetensors file opened and mapped read only, its header parsed from the mapping, its size and mtime
+    kept; ``fd`` (read with ``os.preadv`` by `DiskTable`) is advised for random reads (no readahead)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -75,6 +84,8 @@ class MappedFile:
                 # Rows are read at random: no readahead around each page read (it would read up to
                 # read_ahead_kb for a 160-byte row).
                 self.map.madvise(mmap.MADV_RANDOM)
+            if hasattr(os, "posix_fadvise"):              # the same for positional reads of the descriptor
+                os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
             n = struct.unpack("<Q", self.map[:8])[0]
             if 8 + n > self.size:
                 raise ValueError(f"path: {path}: its header length {n} does not fit its {self.size} bytes "
@@ -113,15 +124,15 @@ class MappedFile:
         return self.data_start + begin, self.data_start + end
 
     def check(self, key: str) -> None:
-        """Raise ``ValueError`` if the file's size or mtime changed since it was mapped (before any read)."""
+        """Raise ``ValueError`` if the file's size or mtime changed since it was opened (before any read)."""
         try:
             st = os.fstat(self.fd)
         except (OSError, ValueError) as e:
             raise ValueError(f"{key}: {self.path} can no longer be read ({e})") from None
         if st.st_size != self.size:
             raise ValueError(f"{key}: {self.path} is {st.st_size} bytes now, {self.size} when it was mapped "
-                             f"(truncated or rewritten since it was loaded?); its rows are not read (a mapped "
-                             f"read past its end would crash the process): load the layer again")
+                             f"(truncated or rewritten since it was loaded?); its rows are not read: load "
+                             f"the layer again")
         if st.st_mtime_ns != self.mtime_ns:
             raise ValueError(f"{key}: {self.path} was modified after it was mapped (its modification time "
                              f"changed), so its rows may not be the ones loaded: load the layer again")

@@ -14,8 +14,8 @@ in order (an FP8 target reads the table twice, once for its largest magnitude; a
 once for its values and once for its scales), and a read by id answers any range directly, holding one block's
 rows of the overlay, where a cursor over ``items`` would restart from the first row each time. The probe costs
 about one memory access a row (measured: half the cost of casting a bfloat16 row of 160 values to float32). So
-memory is a few blocks, plus the overlay's index (the store's, up to about 90 bytes an overlay row); the whole table is
-never held.
+memory is a few blocks, plus the overlay's index (the store's: a bit per table row and a fence per 128 of its
+rows on disk, ``ple.io.overlay``); the whole table is never held.
 """
 
 from __future__ import annotations
@@ -212,7 +212,8 @@ def _open_stores(ckpt: Checkpoint, plans: list[LayerPlan], dirs: list[tuple[Path
         k = match[0]
         if k in stores:
             raise ValueError(f"overlay: {directory} and {stores[k].directory} both train layer {plans[k].prefix!r}")
-        stores[k] = OverlayStore.open(directory, base=fingerprint(k), dim=None, memory_bytes=0, readonly=True)
+        stores[k] = OverlayStore.open(directory, base=fingerprint(k), dim=None, memory_bytes=0, readonly=True,
+                                      table_rows=plans[k].num_rows)
         stores[k].verify()
 
 

@@ -5,7 +5,7 @@ keyed by row id (int64). Each row holds ``dim`` values of ``dtype`` (bfloat16 un
 per optimizer state of ``state`` (``{name: (shape_per_row, dtype)}``, e.g. ``{"sum": ((), torch.float32)}``).
 
     store = OverlayStore.open(DIR, base=fingerprint, dim=D, state={"sum": ((), torch.float32)},
-                              memory_bytes=1 << 30)
+                              memory_bytes=1 << 30, table_rows=N)
     hit, rows = store.lookup(ids)               # rows of ids in the overlay (zeros where hit is False)
     hit, states = store.state_rows(ids)         # {name: [n, *shape]}
     store.update(ids, rows, {"sum": sums})      # insert or overwrite (ids distinct)
@@ -23,24 +23,40 @@ a store garbage-collected without `close` releases the lock too (its unflushed s
 at the next open). ``readonly=True`` opens it to read (while a writer holds it: a snapshot of its last
 flushed generation, read without the lock).
 
-Memory. Rows (with their state and 24 bytes of bookkeeping each) are kept in memory up to ``memory_bytes``;
-beyond it the least recently updated are *spilled* to a segment file in the directory (not durable until a
-flush lists it), from which lookups read them (mapped); spilled files are merged at the next flush, so a
-step does not wait on a merge (unless over ``MAX_SEGMENTS`` files pile up). The budget's memory is allocated
-once, its pages backed as rows are written. The index (up to about 90 bytes a row, the 9M rows of a 300-step
-fine-tune of the real table: 0.8 GB) is not counted in the budget. A lookup is hash probes and gathers, never a
-Python loop over the ids.
+Memory (every budget and constant: the block below, `MEMORY_CONSTANTS`). Rows (with their state and
+``SLOT_OVERHEAD`` bytes of bookkeeping each: id, last update, dirty flag and their hash-index entry) are kept
+in memory up to ``memory_bytes``; beyond it the least recently updated are *spilled* to a segment file in the
+directory (not durable until a flush lists it), from which lookups read them (mapped); spilled files are
+merged at the next flush, so a step does not wait on a merge (unless over ``MAX_SEGMENTS`` files pile up).
+The budget's memory is allocated once, its pages backed as rows are written. The index is off the heap
+(``ple.io._overlay_index``): a hash index of the rows *in memory* only (counted in the budget); each
+segment's ids, sorted in its file, searched where they lie (mapped: file pages, not the process's own
+memory) from in-memory fences (every ``FENCE_EVERY``-th id: 1/16 byte a row); and a bitmap of the ids on
+disk (1 bit per table row: ``table_rows`` sizes it at once, 40 MB at 320M rows, else it grows with the
+largest id), which filters out ids in no segment before any search and counts the distinct rows on disk.
+A lookup looks in memory, then in the segments newest first (a later copy of a row shadows an earlier one):
+hash probes, fence searches and gathers, never a Python loop over the ids. Merges, compactions, flushes and
+`items` stream in chunks of ``CHUNK_BYTES``: the process's own memory stays within ``memory_bytes`` + the
+bitmap + the fences + ``FIXED_BYTES`` (+ the caller's tensors), whatever the rows trained.
 
 Durability (the files: ``ple.io._overlay_files``). `flush` writes the rows changed since the last flush as a
-new immutable segment and fsyncs it, then switches the manifest (which lists the segments with their sizes
-and checksums) atomically; files of earlier generations are deleted only after that. A process killed at any
-moment leaves the directory as of the last flush that returned or of the one in progress, never a mixture;
-its leftovers are deleted at the next open. A flush costs the rows changed since the last one: the newest two
-segments are merged when the newer holds as many live rows as the older (a binary counter: few segments, each
-row rewritten a logarithmic number of times), and all are compacted into one should dead rows (replaced by
-later ones) outnumber live ones: the disk holds at most about twice the live rows. A segment's size and the
-checksums of its header and ids are checked at open, those of its rows and states before the first of its rows
-is returned: a missing, truncated or altered file is a ``ValueError`` naming it. Not thread safe.
+new immutable segment and fsyncs it, then switches the manifest (which lists the segments with their sizes,
+checksums and live rows) atomically; files of earlier generations are deleted only after that. The index has
+no file of its own: the bitmap and the fences are rebuilt at open from the segments' ids (read once, as their
+checksum already was), so a crash cannot leave it out of step with the rows. A process killed at any moment
+leaves the directory as of the last flush that returned or of the one in progress, never a mixture; its
+leftovers are deleted at the next open. A flush costs the rows changed since the last one: a segment's live
+rows (those no later segment replaces) are kept as segments are written (the rows a new segment replaces are
+found by the same search as a lookup's); the newest two segments are merged when the newer holds as many
+live rows as the older (a binary counter: few segments, each row rewritten a logarithmic number of times), a
+segment with none left is retired, and all are compacted into one should dead rows (all the segments' rows
+less the bitmap's count) outnumber live ones: the disk holds at most about twice the live rows. A merge
+reads its segments' ids twice, a chunk at a time (a k-way merge counting the merged rows, which the new
+file's layout needs first, then one writing them). A segment's size and the checksums of its header and ids
+are checked at open (its ids also sorted and distinct, as every version of this library wrote them: an
+overlay of an earlier version opens as it is, its segments' live rows counted at open), those of its rows
+and states before the first of its rows is returned: a missing, truncated or altered file is a
+``ValueError`` naming it. Not thread safe.
 """
 
 from __future__ import annotations
@@ -53,52 +69,78 @@ from typing import Any
 import torch
 
 from . import _overlay_files as ofiles
-from ._overlay_files import DirLock, HashIndex, Layout, Segment
-from ._overlay_segments import _CHUNK, _SHIFT, MAX_SEGMENTS, SegmentFiles
+from ._overlay_files import DirLock, Layout
+from ._overlay_index import IdBitmap, merge_sorted
+from ._overlay_memory import MemoryRows
 from .writer import fsync_dir
 
-__all__ = ["OverlayStore", "SLOT_OVERHEAD", "MAX_SEGMENTS"]
+__all__ = ["OverlayStore", "SLOT_OVERHEAD", "MAX_SEGMENTS", "FENCE_EVERY", "CHUNK_BYTES", "FIXED_BYTES",
+           "MEMORY_CONSTANTS"]
 
-SLOT_OVERHEAD = 24
-"""Bytes of bookkeeping a row in memory costs beyond its values: its id, index entry and last update."""
+# ---- memory: every budget and constant of the store --------------------------------------------------------
+SLOT_OVERHEAD = 96
+"""Bytes a row in memory costs beyond its values, counted in ``memory_bytes``: held, its id (8), last update
+(8) and dirty flag (1), and its hash-index entry (`SlotIndex`: 24); at moments, per row of the budget, a
+flush's or an eviction's temporaries (the slots sorted by id, the last updates copied: up to 40) or a
+rebuild of the index (12). Rounded up."""
+
+FENCE_EVERY = 128
+"""A segment keeps every this many-th of its ids in memory (its fences): 8 bytes per 128 rows on disk."""
+
+CHUNK_BYTES = 8 << 20
+"""Rows (and their bookkeeping) a flush, a spill, a merge, a compaction or a scan handles at a time."""
+
+MAX_SEGMENTS = 32
+"""Segments past this many are merged whatever their sizes."""
+
+FIXED_BYTES = 64 << 20
+"""The stated constant: the process's anonymous memory the store may take beyond ``memory_bytes``, the bitmap
+(``table_rows / 8``) and the fences (``8 / FENCE_EVERY`` a row on disk), whatever the rows trained: a few
+``CHUNK_BYTES`` of chunks in flight (a merge's ids, sources and positions, the rows read and written), the
+bookkeeping of up to ``MAX_SEGMENTS`` segments, and what the C allocator keeps of freed temporaries (glibc
+serves blocks up to 32 MiB from its heap once such blocks were freed, and keeps them). The caller's tensors
+(a step's ids and rows) are not counted. Checked: tests/io/test_overlay_memory.py."""
+
+MEMORY_CONSTANTS = {"SLOT_OVERHEAD": SLOT_OVERHEAD, "FENCE_EVERY": FENCE_EVERY, "CHUNK_BYTES": CHUNK_BYTES,
+                    "MAX_SEGMENTS": MAX_SEGMENTS, "FIXED_BYTES": FIXED_BYTES}
+
+_CHUNK = 65536                   # rows `items` yields at a time by default
 
 
-
-class OverlayStore(SegmentFiles):
+class OverlayStore(MemoryRows):
     """A durable store of table rows and their optimizer state, keyed by row id (see the module docstring).
     Made by `OverlayStore.open`."""
 
+    fence_every, chunk_bytes, max_segments, slot_overhead = FENCE_EVERY, CHUNK_BYTES, MAX_SEGMENTS, SLOT_OVERHEAD
+
     def __init__(self, directory: Path, layout: Layout, base: Any, memory_bytes: int, readonly: bool,
-                 lock: DirLock) -> None:
+                 lock: DirLock, table_rows: int = 0) -> None:
         self.directory, self.layout, self.base, self.readonly = directory, layout, base, readonly
         self._lock: DirLock | None = lock
         self.generation = 0
         self.meta: dict[str, Any] = {}
-        self._segments: dict[int, Segment] = {}          # in the order written (serial order)
+        self._segments: dict = {}                        # serial -> Segment, in the order written (serial order)
         self._doomed: list[Path] = []                    # merged away; deleted once a manifest no longer lists them
         self._next_serial = 1
-        self._index = HashIndex(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
-        self._n = 0                                      # entries (rows in the overlay)
-        self._e_slot = torch.empty(0, dtype=torch.int64)  # entry -> memory slot, or -1
-        self._e_loc = torch.empty(0, dtype=torch.int64)  # entry -> serial << 32 | row of its current value, or -1
+        self._on_disk = IdBitmap(table_rows)             # the ids some segment holds
+        self._mem_only = 0                               # rows in memory that no segment holds
         self._memory_bytes = memory_bytes
-        self.capacity = memory_bytes // (layout.row_bytes + SLOT_OVERHEAD)
-        self._mem = {key: torch.empty((0, *shape), dtype=dt) for key, dt, shape in layout.fields}
-        self._slot_id, self._slot_ent, self._slot_stamp = (torch.empty(0, dtype=torch.int64) for _ in range(3))
-        self._used, self._clock, self._free = 0, 0, torch.empty(0, dtype=torch.int64)     # slots: used, free
-        self._dirty: list[torch.Tensor] = []             # entries updated since the last flush (repeats allowed)
         self._counts = dict.fromkeys(("bytes_written", "flushes", "spilled_rows", "merges", "compactions"), 0)
+        self._reset_memory()
 
     # ---- opening and closing ------------------------------------------------------------------------------
     @classmethod
     def open(cls, directory: str | os.PathLike[str], *, base: Any, dim: int | None, dtype: torch.dtype = torch.bfloat16,
              state: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None, memory_bytes: int,
-             create: bool = True, readonly: bool = False) -> OverlayStore:
+             create: bool = True, readonly: bool = False, table_rows: int | None = None) -> OverlayStore:
         """Open the overlay in ``directory``: resume its last flushed generation, or start an empty one
         (``create``; the directory is made if absent). See the module docstring for the arguments;
         ``dim=None`` takes the row layout (``dim``, ``dtype``, ``state``) the overlay was flushed with (one
-        must exist)."""
+        must exist). ``table_rows``: the rows of the table (ids are below it), to size the bitmap once."""
         directory = Path(directory)
+        if table_rows is not None and (isinstance(table_rows, bool) or not isinstance(table_rows, int)
+                                       or table_rows < 0):
+            raise ValueError(f"table_rows: expected an int >= 0 or None, got {table_rows!r}")
         if dim is None:
             found = cls.manifest(directory)
             if found is None:
@@ -119,8 +161,8 @@ class OverlayStore(SegmentFiles):
         except RuntimeError:
             if not readonly:
                 raise
-            return cls._snapshot(directory, layout, base, memory_bytes)
-        store = cls(directory, layout, base, memory_bytes, readonly, lock)
+            return cls._snapshot(directory, layout, base, memory_bytes, table_rows or 0)
+        store = cls(directory, layout, base, memory_bytes, readonly, lock, table_rows or 0)
         try:
             body = ofiles.read_manifest(directory)
             if body is None and (readonly or not create):
@@ -135,7 +177,7 @@ class OverlayStore(SegmentFiles):
         return store
 
     @classmethod
-    def _snapshot(cls, directory: Path, layout: Layout, base: Any, memory_bytes: int,
+    def _snapshot(cls, directory: Path, layout: Layout, base: Any, memory_bytes: int, table_rows: int,
                   tries: int = 8) -> OverlayStore:
         """Read only, while a writer holds the overlay: its last flushed generation, without the lock. A
         flush may delete files of the generation just read before they are opened: then the newer manifest
@@ -144,7 +186,7 @@ class OverlayStore(SegmentFiles):
             body = ofiles.read_manifest(directory)
             if body is None:
                 raise ValueError(f"overlay: {directory} holds no overlay (no {ofiles.MANIFEST})")
-            store = cls(directory, layout, base, memory_bytes, True, DirLock.unlocked(directory))
+            store = cls(directory, layout, base, memory_bytes, True, DirLock.unlocked(directory), table_rows)
             try:
                 store._resume(body)
                 return store
@@ -170,14 +212,11 @@ class OverlayStore(SegmentFiles):
         layout = Layout.of(self.layout.dim, self.layout.dtype, state)
         if layout == self.layout:
             return
-        if self._n:
-            raise ValueError(f"overlay: {self.directory} holds {self._n} rows with the state "
+        if self.num_rows:
+            raise ValueError(f"overlay: {self.directory} holds {self.num_rows} rows with the state "
                              f"{self.layout.describe()['state']}; it cannot take {layout.describe()['state']}")
         self.layout = layout
-        self.capacity = self._memory_bytes // (layout.row_bytes + SLOT_OVERHEAD)
-        self._mem = {key: torch.empty((0, *shape), dtype=dt) for key, dt, shape in layout.fields}
-        self._slot_id, self._slot_ent, self._slot_stamp = (torch.empty(0, dtype=torch.int64) for _ in range(3))
-        self._used, self._free = 0, torch.empty(0, dtype=torch.int64)
+        self._reset_memory()
 
     def _resume(self, body: dict[str, Any]) -> None:
         if ofiles.layout_of(body) != self.layout.describe():
@@ -187,23 +226,12 @@ class OverlayStore(SegmentFiles):
         if diff:
             raise ValueError(f"overlay: {self.directory} was made on another base: " + "; ".join(diff[:8]))
         self.generation, self.meta, self._next_serial = int(body["generation"]), body["meta"], body["next_serial"]
-        ids, locs = [torch.empty(0, dtype=torch.int64)], [torch.empty(0, dtype=torch.int64)]
-        for info in body["segments"]:
-            seg = Segment(self.directory, info, self.layout, int(info["serial"]), durable=True, trusted=False)
+        for info in body["segments"]:                    # each segment's ids streamed: fences and bitmap
+            seg = ofiles.Segment(self.directory, info, self.layout, int(info["serial"]), durable=True, trusted=False)
             self._segments[seg.serial] = seg
-            ids.append(seg.ids.clone())
-            locs.append((seg.serial << _SHIFT) + torch.arange(seg.rows))
-        order = torch.argsort(torch.cat(ids), stable=True)           # a later segment's row after an earlier's
-        all_ids, all_locs = torch.cat(ids)[order], torch.cat(locs)[order]
-        last = torch.ones_like(all_ids, dtype=torch.bool)
-        last[:-1] = all_ids[1:] != all_ids[:-1]
-        all_ids, self._e_loc = all_ids[last], all_locs[last]
-        self._n = all_ids.numel()
-        self._e_slot = torch.full_like(all_ids, -1)
-        self._index = HashIndex(all_ids, torch.arange(self._n))
-        serials, counts = torch.unique(self._e_loc >> _SHIFT, return_counts=True)
-        for s, c in zip(serials.tolist(), counts.tolist(), strict=True):
-            self._segments[s].live = c
+            self._attach(seg)
+        if any("live" not in info for info in body["segments"]):     # a manifest of an earlier version
+            self._count_live()
 
     def close(self) -> None:
         """Release the directory. Updates since the last `flush` are dropped (their spill files deleted)."""
@@ -234,28 +262,26 @@ class OverlayStore(SegmentFiles):
             raise ValueError(f"overlay: {self.directory} was opened read only")
 
     # ---- reading ------------------------------------------------------------------------------------------
-    def _gather(self, ents: torch.Tensor, out: dict[str, torch.Tensor], pos: torch.Tensor) -> None:
-        """``out[key][pos] = `` the values of entries ``ents``, from memory or disk."""
-        slot = self._e_slot.index_select(0, ents)
-        mem = slot >= 0
-        at, slot = pos[mem], slot[mem]
-        for k, o in out.items():
-            o.index_copy_(0, at, self._mem[k].index_select(0, slot))
-        self._read_disk(self._e_loc[ents[~mem]], pos[~mem], out)
-
     def read(self, ids: torch.Tensor,
              keys: Iterable[str] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """``(hit [n] bool, {key: [n, *shape]})`` for ``keys`` (default all: ``"rows"``, ``"state.<name>"``);
         zeros where ``hit`` is False. Ids may repeat."""
         self._check_open()
         ids = ofiles.as_ids(ids)
-        ent = self._index.find(ids)
-        hit = ent >= 0
         fields = {k: (dt, s) for k, dt, s in self.layout.fields}
         keys = fields if keys is None else keys
         out = {k: torch.zeros((ids.numel(), *fields[k][1]), dtype=fields[k][0]) for k in keys}
-        pos = hit.nonzero().squeeze(1)
-        self._gather(ent.index_select(0, pos), out, pos)
+        slot = self._slots.find(ids)
+        mem = slot >= 0
+        at = mem.nonzero().squeeze(1)
+        for k, o in out.items():
+            o.index_copy_(0, at, self._mem[k].index_select(0, slot.index_select(0, at)))
+        rest = (~mem).nonzero().squeeze(1)
+        disk = self._on_disk.test(ids.index_select(0, rest))      # ids in no segment: no search
+        rest = rest[disk]
+        self._find_disk(ids.index_select(0, rest), rest, out)
+        hit = mem
+        hit[rest] = True
         return hit, out
 
     def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -269,17 +295,41 @@ class OverlayStore(SegmentFiles):
         return hit, {k.removeprefix("state."): v for k, v in out.items()}
 
     def items(self, chunk_rows: int = _CHUNK) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]]:
-        """Every row, sorted by id, ``chunk_rows`` at a time: ``(ids, rows, {name: state})``. Do not update
-        the store while iterating."""
+        """Every row, sorted by id, ``chunk_rows`` at a time: ``(ids, rows, {name: state})``, merged from the
+        segments and memory in bounded chunks. Do not update the store while iterating."""
         self._check_open()
-        if chunk_rows < 1:
-            raise ValueError(f"chunk_rows: expected >= 1, got {chunk_rows}")
-        ids, ents = self._index.sorted()
-        for a in range(0, self._n, chunk_rows):
-            e = ents[a: a + chunk_rows]
-            out = {k: torch.empty((e.numel(), *s), dtype=dt) for k, dt, s in self.layout.fields}
-            self._gather(e, out, torch.arange(e.numel()))
-            yield ids[a: a + chunk_rows], out.pop("rows"), {k.removeprefix("state."): v for k, v in out.items()}
+        if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+            raise ValueError(f"chunk_rows: expected an int >= 1, got {chunk_rows!r}")
+        segs = list(self._segments.values())
+        held = (self._slot_id[: self._used] >= 0).nonzero().squeeze(1)
+        mem_ids, order = torch.sort(self._slot_id.index_select(0, held))
+        mem_slots = held[order]
+        del held, order
+
+        def check() -> None:
+            for s in segs:
+                s.check()
+
+        def emit(ids: torch.Tensor, which: torch.Tensor, rows: torch.Tensor):
+            out = {k: torch.empty((ids.numel(), *s), dtype=dt) for k, dt, s in self.layout.fields}
+            for i in torch.unique(which).tolist():
+                sel = (which == i).nonzero().squeeze(1)
+                if i < len(segs):
+                    self._read_from(segs[i], rows[sel], sel, out)
+                else:
+                    slots = mem_slots.index_select(0, rows[sel])
+                    for k, o in out.items():
+                        o.index_copy_(0, sel, self._mem[k].index_select(0, slots))
+            return ids, out.pop("rows"), {k.removeprefix("state."): v for k, v in out.items()}
+
+        pending = [torch.empty(0, dtype=torch.int64) for _ in range(3)]
+        for got in merge_sorted([s.ids for s in segs] + [mem_ids], min(chunk_rows, self._chunk_rows), check):
+            pending = [torch.cat([p, g]) for p, g in zip(pending, got, strict=True)]
+            while pending[0].numel() >= chunk_rows:
+                yield emit(*(p[:chunk_rows] for p in pending))
+                pending = [p[chunk_rows:] for p in pending]
+        if pending[0].numel():
+            yield emit(*pending)
 
     def verify(self) -> None:
         """Check every segment's checksums now (a lookup checks a segment's before reading its first row)."""
@@ -288,121 +338,26 @@ class OverlayStore(SegmentFiles):
             seg.check_head()
             seg.verify()
 
-    # ---- updating -----------------------------------------------------------------------------------------
-    def update(self, ids: torch.Tensor, rows: torch.Tensor, states: dict[str, torch.Tensor] | None = None) -> None:
-        """Insert or overwrite rows ``ids`` (distinct) with ``rows`` ``[n, dim]`` (converted to the store's
-        dtype) and their state ``{name: [n, *shape]}`` (every name of the store's ``state``)."""
-        self._check_open(write=True)
-        ids = ofiles.as_ids(ids)
-        vals = self.layout.values(ids.numel(), rows, states or {})
-        if not ids.numel():
-            return
-        ids, order = torch.sort(ids)
-        if bool((ids[1:] == ids[:-1]).any()) or int(ids[0]) < 0:
-            raise ValueError("ids: must be distinct in one update (a row was given twice), and >= 0")
-        vals = {k: v[order] for k, v in vals.items()}
-        ent = self._index.find(ids)
-        new = ent < 0
-        k = int(new.sum())
-        if k:
-            ent[new] = fresh = torch.arange(self._n, self._n + k)
-            if self._n + k > self._e_loc.numel():       # grow the entries geometrically
-                grow = max(self._n + k, 2 * self._e_loc.numel(), 1024) - self._e_loc.numel()
-                self._e_slot, self._e_loc = (torch.cat([t, torch.full((grow,), -1, dtype=torch.int64)])
-                                             for t in (self._e_slot, self._e_loc))
-            self._n += k
-            self._index.insert(ids[new], fresh)
-        old = self._e_loc.index_select(0, ent)
-        serials, counts = torch.unique(old[old >= 0] >> _SHIFT, return_counts=True)
-        for s, c in zip(serials.tolist(), counts.tolist(), strict=True):
-            self._segments[s].live -= c                  # the copies on disk are no longer current
-        self._e_loc.index_fill_(0, ent, -1)
-        self._clock += 1
-        slot = self._e_slot.index_select(0, ent)
-        res = slot >= 0
-        at = slot[res]
-        self._slot_stamp.index_fill_(0, at, self._clock)
-        for key, v in vals.items():
-            self._mem[key].index_copy_(0, at, v[res])
-        self._dirty.append(ent)
-        if sum(d.numel() for d in self._dirty) > 4 * self.capacity + _CHUNK:     # keep the list short
-            e = torch.unique(torch.cat(self._dirty))
-            self._dirty = [e[self._e_loc[e] < 0]]
-        out = (~res).nonzero().squeeze(1)
-        room = self.capacity - int(res.sum())            # slots this update's resident rows leave
-        put, over = out[:room], out[room:]
-        if put.numel():
-            slots = self._take(put.numel())
-            for key, v in vals.items():
-                self._mem[key].index_copy_(0, slots, v.index_select(0, put))
-            self._slot_id[slots], self._slot_ent[slots], self._slot_stamp[slots] = ids[put], ent[put], self._clock
-            self._e_slot[ent[put]] = slots
-        if over.numel():                                 # more than the budget holds: straight to a spill file
-            self._spill(ids[over], ent[over], {key: v[over] for key, v in vals.items()})
-
-    def _take(self, k: int) -> torch.Tensor:
-        """``k`` free memory slots: free ones, new ones up to the budget, then the least recently updated
-        rows' (evicted: written to a spill file unless already on disk), an eighth of the budget at a time."""
-        fresh = min(k - self._free.numel(), self.capacity - self._used)
-        if fresh > 0:
-            if self._used + fresh > self._slot_id.numel():   # the whole budget at once (never a copy of it beside
-                n = self._slot_id.numel()                      # itself): its pages are backed as rows are written
-                mem = {key: m.new_empty((self.capacity, *m.shape[1:])) for key, m in self._mem.items()}
-                for key, m in self._mem.items():
-                    mem[key][:n] = m
-                self._mem = mem
-                self._slot_id, self._slot_ent, self._slot_stamp = (
-                    torch.cat([t, torch.full((self.capacity - n,), -1, dtype=torch.int64)])
-                    for t in (self._slot_id, self._slot_ent, self._slot_stamp))
-            self._free = torch.cat([self._free, torch.arange(self._used, self._used + fresh)])
-            self._used += fresh
-        if k > self._free.numel():
-            stamps = self._slot_stamp[: self._used].clone()
-            stamps[self._slot_ent[: self._used] < 0] = self._clock + 1          # free slots are not evicted
-            evictable = int((stamps < self._clock).sum())
-            victims = torch.topk(stamps, min(evictable, max(k - self._free.numel(), self.capacity // 8)),
-                                 largest=False).indices
-            ents = self._slot_ent[victims]
-            dirty = self._e_loc[ents] < 0
-            if bool(dirty.any()):
-                v = victims[dirty]
-                self._spill(self._slot_id[v], ents[dirty], {key: m.index_select(0, v) for key, m in self._mem.items()})
-            self._e_slot[ents] = -1
-            self._slot_ent[victims] = -1
-            self._free = torch.cat([self._free, victims])
-        slots, self._free = self._free[:k], self._free[k:]
-        return slots
-
-    def _spill(self, ids: torch.Tensor, ents: torch.Tensor, vals: dict[str, torch.Tensor]) -> None:
-        ids, order = torch.sort(ids)
-        seg = self._write(ids.numel(), [(ids, {k: v[order] for k, v in vals.items()})])
-        self._e_loc[ents[order]] = (seg.serial << _SHIFT) + torch.arange(ids.numel())
-        seg.live = ids.numel()
-        self._counts["spilled_rows"] += ids.numel()
-        if len(self._segments) > MAX_SEGMENTS:           # else merged at the next flush, not inside a step
-            self._maybe_merge()
-
+    # ---- updating (`update` and the memory slots: ``_overlay_memory``) ----------------------------------
     def flush(self, meta: dict[str, Any] | None = None) -> None:
         """Make every update so far durable, with ``meta`` (JSON-able; default: the last flush's) saved with it."""
         self._check_open(write=True)
         meta = self.meta if meta is None else ofiles.jsonable(meta, "meta")
-        e = torch.unique(torch.cat(self._dirty)) if self._dirty else torch.empty(0, dtype=torch.int64)
-        e = e[self._e_loc[e] < 0]                        # still only in memory (not spilled since)
-        if e.numel():
-            slots = self._e_slot[e]
-            ids, order = torch.sort(self._slot_id[slots])
-            slots, e = slots[order], e[order]
-            n = ids.numel()
-            chunks = ((ids[a: a + _CHUNK], {k: m.index_select(0, slots[a: a + _CHUNK]) for k, m in self._mem.items()})
-                      for a in range(0, n, _CHUNK))
-            seg = self._write(n, chunks)
-            self._e_loc[e] = (seg.serial << _SHIFT) + torch.arange(n)
-            seg.live = n
-        self._dirty = []
+        slots = self._slot_dirty[: self._used].nonzero().squeeze(1)
+        if slots.numel():                                # the rows changed since last written
+            ids, order = torch.sort(self._slot_id.index_select(0, slots))
+            slots = slots[order]
+            n, step = ids.numel(), self._chunk_rows
+            chunks = ((ids[a: a + step], {k: m.index_select(0, slots[a: a + step]) for k, m in self._mem.items()})
+                      for a in range(0, n, step))
+            self._mem_only -= self._write_new(ids, chunks)
+            self._slot_dirty[slots] = False
+            del ids, slots, order
         self._maybe_merge()
         fsync_dir(self.directory)                        # the new segments' names, before the manifest's
         body = {"generation": self.generation + 1, "next_serial": self._next_serial, **self.layout.describe(),
-                "base": self.base, "meta": meta, "segments": [s.info for s in self._segments.values()]}
+                "base": self.base, "meta": meta,
+                "segments": [s.info | {"live": s.live} for s in self._segments.values()]}
         self._counts["bytes_written"] += ofiles.write_manifest(self.directory, body)
         self.generation, self.meta = self.generation + 1, meta
         for seg in self._segments.values():
@@ -416,7 +371,7 @@ class OverlayStore(SegmentFiles):
     @property
     def num_rows(self) -> int:
         """Rows in the overlay (in memory or on disk, flushed or not)."""
-        return self._n
+        return self._on_disk.count + self._mem_only
 
     @property
     def bytes_on_disk(self) -> int:
@@ -425,18 +380,19 @@ class OverlayStore(SegmentFiles):
         return sum(s.size for s in self._segments.values()) + sum(p.stat().st_size for p in paths if p.exists())
 
     def stats(self) -> dict[str, int]:
-        """Counters and sizes: rows, rows in memory, segments, bytes on disk, live and dead bytes, memory
-        and index bytes, and since opening: bytes written, flushes, spilled rows, merges, compactions."""
+        """Counters and sizes: rows, rows in memory, segments, bytes on disk, live and dead bytes (rows on disk,
+        distinct and replaced), memory (the budget's, allocated) and index bytes (the bitmap and the fences:
+        the index's part beyond the budget), and since opening: bytes written, flushes, spilled rows, merges,
+        compactions."""
         segs = self._segments.values()
-        live = sum(s.live for s in segs)
-        return {"rows": self._n, "rows_in_memory": int((self._slot_ent[: self._used] >= 0).sum()),
+        return {"rows": self.num_rows, "rows_in_memory": self._slots.live,
                 "capacity_rows": self.capacity, "segments": len(segs), "bytes_on_disk": self.bytes_on_disk,
-                "live_bytes": live * self.layout.row_bytes,
-                "dead_bytes": (sum(s.rows for s in segs) - live) * self.layout.row_bytes,
+                "live_bytes": self._on_disk.count * self.layout.row_bytes,
+                "dead_bytes": self._dead_rows() * self.layout.row_bytes,
                 "memory_bytes": self._slot_id.numel() * (self.layout.row_bytes + SLOT_OVERHEAD),
-                "index_bytes": self._index.nbytes + self._e_slot.nbytes + self._e_loc.nbytes,
+                "index_bytes": self._on_disk.nbytes + sum(s.fences.nbytes for s in segs),
                 "generation": self.generation, **self._counts}
 
     def __repr__(self) -> str:
-        return (f"OverlayStore({str(self.directory)!r}, rows={self._n}, generation={self.generation}, "
+        return (f"OverlayStore({str(self.directory)!r}, rows={self.num_rows}, generation={self.generation}, "
                 f"dim={self.layout.dim}, dtype={self.layout.dtype})")

@@ -79,7 +79,7 @@ eagerly, ``_conv_gathered`` compiled):
 
 (g) No conv state, on the CPU, eagerly, autograd recording, float32 or float64: a ``torch.autograd.Function``
 whose forward is ``_forward_blocked`` (same bits) saving the inputs and the rows' score sums, and whose
-backward (``prefill_grad.backward_blocked``) recomputes per block of ``gate.BLOCK_ROWS`` rows in scratch
+backward (``_prefill_grad.backward_blocked``) recomputes per block of ``gate.BLOCK_ROWS`` rows in scratch
 buffers of one or two blocks: the conv's ``dpre`` in row order, added back into a conv-input gradient that
 lives in two blocks of rows, each tap inside its sequence; then, one block behind, the norms' and gate's
 backward in closed form. Gradients within the tolerance (``tests/vectorized/test_blocked.py``). Not twice

@@ -6,7 +6,7 @@ Two paths (``ple/vectorized/__init__.py`` has the measurements):
 * the composition above, the general one (autograd, ``torch.compile``, a conv state, any device);
 * `BlockedPrefill`, on the CPU without a conv state, eagerly, where autograd records (training), in float32 or
   float64: `_forward_blocked` as the forward, and a backward recomputed in blocks of rows
-  (``prefill_grad.backward_blocked``);
+  (``_prefill_grad.backward_blocked``);
 * `_forward_blocked`, on the CPU without a conv state and with nothing recording autograd or compiling
   (inference, evaluation): the composition in blocks of ``gate.BLOCK_ROWS`` rows. A first pass makes
   every row's score sums, the gates of all rows follow at once, and a second pass runs gate, mask,
@@ -33,7 +33,7 @@ from ..backends import twin
 from ..reference.gate import acc_dtype
 from .conv import _ple_conv
 from .gate import BLOCK_ROWS, BlockGate, gate, records_grad
-from .prefill_grad import backward_blocked
+from ._prefill_grad import backward_blocked
 from .training_conv import _conv, conv_activation
 
 __all__ = ["ple_prefill", "takes_blocked_forward_path", "takes_blocked_backward_path", "takes_blocked_path"]
@@ -189,7 +189,7 @@ def _forward_blocked(key, value, hidden_states, norm_key_weight, norm_query_weig
 
 class BlockedPrefill(torch.autograd.Function):
     """`_forward_blocked` with autograd: the forward saves the inputs and the rows' score sums (``[T, M]``); the
-    backward (``prefill_grad.backward_blocked``) recomputes per block of rows what else it needs. Float32 and
+    backward (``_prefill_grad.backward_blocked``) recomputes per block of rows what else it needs. Float32 and
     float64 only (`takes_blocked_backward_path`). Not twice differentiable."""
 
     @staticmethod

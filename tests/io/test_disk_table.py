@@ -535,14 +535,16 @@ def serve_in_a_fresh_process(tmp_path, base: int, cache_bytes: int, tokens: int,
 def check_resident(report: dict, table_bytes: int, cache_bytes: int) -> None:
     assert report["cached_rows"] > 0.99 * report["capacity_rows"] and report["evictions"] > 0     # full, turning over
     assert report["bytes_read"] > cache_bytes
-    assert report["growth"] < cache_bytes * 1.25, (report, table_bytes)
+    # + 4 MiB: the 64 reader threads' malloc arenas keep some of what they free (the small table's growth measured
+    # 16.7-20.5 MB with them, 17.5 MB with the 8 mapped readers before, 16.1 MB with MALLOC_ARENA_MAX=1)
+    assert report["growth"] < cache_bytes * 1.25 + (4 << 20), (report, table_bytes)
     print(f"table {table_bytes / 2**20:.0f} MiB, cache {cache_bytes / 2**20:.0f} MiB: RssAnon grew by "
           f"{report['growth'] / 2**20:.1f} MiB serving {report['rows']} rows ({report['bytes_read'] / 2**20:.0f} MiB "
           f"read, hit rate {report['hit_rate']:.3f}); the warm-up took {report['warm_up'] / 2**20:.1f} MiB")
 
 
 def test_resident_memory_small(tmp_path):
-    """A 64 MiB table served with a 16 MiB cache: the process's anonymous memory grows by less than 20 MiB."""
+    """A 64 MiB table served with a 16 MiB cache: the process's anonymous memory grows by less than 24 MiB."""
     cache_bytes = 16 << 20
     report, table_bytes = serve_in_a_fresh_process(tmp_path, 13_100, cache_bytes, 7_000, 8, 32)
     assert 60 << 20 < table_bytes < 70 << 20
@@ -551,7 +553,7 @@ def test_resident_memory_small(tmp_path):
 
 @pytest.mark.deep
 def test_resident_memory_one_gib(tmp_path):
-    """A 1 GiB table served with a 64 MiB cache: the anonymous memory grows by less than 80 MiB."""
+    """A 1 GiB table served with a 64 MiB cache: the anonymous memory grows by less than 84 MiB."""
     cache_bytes = 64 << 20
     report, table_bytes = serve_in_a_fresh_process(tmp_path, 210_000, cache_bytes, 60_000, 16, 64)
     assert table_bytes > 1 << 30

@@ -37,6 +37,7 @@ import ple
 import ple.io as pio
 from ple import PLEConfig
 from ple.io._overlay_files import LOCK, MANIFEST
+from ple.io.overlay import SLOT_OVERHEAD
 from ple.optim.rowwise import STATE_NAMES
 from ple.testing.layers import random_layer
 from ple.testing.numerics import assert_bitwise_equal
@@ -46,7 +47,7 @@ OPTS = {"sgd": ple.optim.SparseSGD, "adagrad": ple.optim.RowwiseAdagrad, "adam":
 B, L = 4, 16
 FLUSH_EVERY = 3
 LR = 0.05
-ROW_BYTES = 2 * 4 + 4 * 4 + 4 + 24                   # an Adam row of D = 4 in the overlay's memory
+ROW_BYTES = 2 * 4 + 4 * 4 + 4 + SLOT_OVERHEAD        # an Adam row of D = 4 in the overlay's memory
 OVERLAY_BYTES = 150 * ROW_BYTES                      # about 150 rows in memory: spills between flushes
 SLOW_FSYNC = 0.02                                    # seconds each fsync of a "slow" child sleeps first
 

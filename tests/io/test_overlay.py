@@ -84,6 +84,7 @@ class Model:
         n = len(known)
         assert hit[:n].all() and not hit[n:].any() and torch.equal(hit, hit2)
         assert store.num_rows == n
+        assert sum(s.live for s in store._segments.values()) == store._on_disk.count    # the index's counts agree
         if n:
             assert torch.equal(bits_of(rows[:n]), bits_of(torch.stack([self.rows[k][0] for k in known])))
             for name in self.state:
