@@ -138,7 +138,7 @@ def pread_rows(files: Sequence[_File], file_of: torch.Tensor, offsets: torch.Ten
         for j, w in zip(multi.tolist(), at.tolist(), strict=True):
             dest[j], kind[j] = w, 1
     rows = out.view(-1).view(torch.uint8).view(n, row_bytes)
-    views = [memoryview(rows.view(-1).numpy())] + ([memoryview(scratch.numpy())] if scratch is not None else [])
+    views = [rows.view(-1).numpy().data] + ([scratch.numpy().data] if scratch is not None else [])
     try:
         _run_requests([fds[k] for k in run_file], run_off.tolist(), run_len.tolist(), views, kind, dest, files,
                       run_file, what)

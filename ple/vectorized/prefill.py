@@ -31,9 +31,9 @@ from .. import reference as _reference
 from .._deprecation import deprecated_function
 from ..backends import twin
 from ..reference.gate import acc_dtype
+from ._prefill_grad import backward_blocked
 from .conv import _ple_conv
 from .gate import BLOCK_ROWS, BlockGate, gate, records_grad
-from ._prefill_grad import backward_blocked
 from .training_conv import _conv, conv_activation
 
 __all__ = ["ple_prefill", "takes_blocked_forward_path", "takes_blocked_backward_path", "takes_blocked_path"]

@@ -23,9 +23,9 @@ from hypothesis import strategies as st
 
 import ple.reference as ref
 import ple.vectorized as vec
+import ple.vectorized._prefill_grad as vec_prefill_grad
 import ple.vectorized.gate as vec_gate
 import ple.vectorized.prefill as vec_prefill
-import ple.vectorized._prefill_grad as vec_prefill_grad
 import ple.vectorized.training_conv as vec_training_conv
 from ple.testing.numerics import assert_close
 
