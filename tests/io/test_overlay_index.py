@@ -267,7 +267,7 @@ def test_readonly_snapshot_beside_a_writer(tmp_path):
         model.check(w)
 
 
-# An overlay written by the store before its index moved off the heap (ple at the parent of issue 41's change):
+# An overlay written by the store before its index moved off the heap (ple at commit cfff33a):
 # OverlayStore.open(DIR, base={"old": 1}, dim=4, state={"sum": ((), torch.float32)}, memory_bytes=0), then for
 # (a, b, g) in OLD_GENS: rows ids [a, b) = (id * 10 + g + [0, .25, .5, .75]) in bfloat16, sum g, flush(meta={"gen": g}).
 # Three segments (40, 25 and 15 rows), ten of their rows shadowed.
