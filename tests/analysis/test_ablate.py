@@ -8,11 +8,11 @@ import warnings
 
 import pytest
 import torch
+from _helpers import reads_not_counted
 from analysis._placements import PLACEMENTS, TINY, head_spans, inputs, placed, serve, table_values, twin
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import ple.io.disk as disk_module
 from ple.analysis.table import ablate
 from ple.io.disk import DiskTable
 from ple.table import Table
@@ -185,19 +185,7 @@ def test_nothing_the_size_of_the_table_is_made(mode, placement, tmp_path, monkey
     seen = LargestNew()
     if isinstance(layer.table, DiskTable):
         layer.table.reset_stats()
-        # A disk gather's positional reads hold the pages of their coalesced runs in a scratch buffer: a page or
-        # two a row read (at this tiny table, runs span the file), a cost of the rows read, not of the table; so
-        # it is not counted, and the rows each gather reads must be fewer than the table's.
-        real = disk_module.pread_rows
-
-        def counted_read(files, file_of, offsets, *args, **kwargs):
-            assert offsets.numel() < rows, "a gather read as many rows as the table holds"
-            seen.paused = True
-            try:
-                return real(files, file_of, offsets, *args, **kwargs)
-            finally:
-                seen.paused = False
-        monkeypatch.setattr(disk_module, "pread_rows", counted_read)
+        reads_not_counted(monkeypatch, seen, rows - 1, "the table holds, less one")   # scratch of the rows read
     with torch.no_grad(), seen:
         with ablate(layer, mode, seed=2):
             layer(h, ids)

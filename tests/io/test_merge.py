@@ -15,15 +15,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import reads_not_counted
 from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import ple
 import ple.io as pio
-import ple.io.disk as disk_module
 from ple import PLEConfig
-from ple.io import _reads
 from ple.io.disk import DiskTable
 from ple.io.disk_train import SAMPLE_ROWS, base_fingerprint
 from ple.io.files import Checkpoint
@@ -368,17 +367,7 @@ def test_memory_is_a_few_blocks(trained, tmp_path, table_dtype, monkeypatch):
     constant of the sample, not of the table, so it is not counted, and only that sample may be read so."""
     base, overlay, rows = trained["sharded"]
     mode = LargestTensor()
-    real = _reads.pread_rows
-
-    def sample_read(files, file_of, offsets, *args, **kwargs):
-        assert offsets.numel() <= SAMPLE_ROWS, "merge read more than the fingerprint's sample through pread_rows"
-        mode.paused = True
-        try:
-            return real(files, file_of, offsets, *args, **kwargs)
-        finally:
-            mode.paused = False
-    monkeypatch.setattr(_reads, "pread_rows", sample_read)
-    monkeypatch.setattr(disk_module, "pread_rows", sample_read)
+    reads_not_counted(monkeypatch, mode, SAMPLE_ROWS, "the fingerprint's sample")
     with mode:
         pio.merge(base, overlay, tmp_path / "out", parts=0, table_dtype=table_dtype, block_bytes=64 * D * 4,
                   ple_only=True)
