@@ -84,7 +84,7 @@ import torch
 
 import ple.io as pio
 from ple import PLEConfig, reference, vectorized
-from ple.io.disk import DiskTable
+from ple.io.disk_table.table import DiskTable
 from ple.io.files import Entry, write_files
 from ple.io.layout import SHARD, TABLE_SCALE, shard_rows
 from ple.io.load import CONFIG_METADATA_KEY

@@ -81,9 +81,9 @@ import torch
 import ple
 import ple.io as pio
 from ple import PLEConfig
-from ple.io.disk import DiskTable
+from ple.io.disk_table.overlay.store import OverlayStore
+from ple.io.disk_table.table import DiskTable
 from ple.io.files import Checkpoint
-from ple.io.overlay import OverlayStore
 from ple.reference.hashing import hash_params
 
 REAL_ROWS = bdt.REAL_ROWS

@@ -21,6 +21,12 @@ the code fails that test unless the snapshot recorded it as deprecated in an ear
 
 * `deprecated_function`, a module-level function under its old name (keep the old name in
   ``__all__``): ``old_name = deprecated_function(new_name, "old_name", since="0.2.0")``.
+* `moved_module`, a module moved to a new path (the old file keeps only this)::
+
+      __all__ = ["DiskTable", ...]                     # the old module's public names, as they were
+      __getattr__, __ple_moved__ = moved_module(__name__, "ple.io.disk_table.table", since="0.1.0")
+
+  every name read through the old path warns and is the new module's own object;
 * `warn_deprecated`, the warning itself, for anything else.
 
 ``since`` is the ``ple`` version that first warns. The next release may drop the name (and
@@ -30,13 +36,14 @@ the code fails that test unless the snapshot recorded it as deprecated in an ear
 from __future__ import annotations
 
 import functools
+import importlib
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 __all__ = ["Deprecation", "warn_deprecated", "deprecated_alias", "deprecated_parameter", "deprecated_function",
-           "deprecations_of", "MARKER"]
+           "deprecations_of", "moved_module", "MARKER"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -47,7 +54,8 @@ MARKER = "__ple_deprecated__"
 @dataclass(frozen=True)
 class Deprecation:
     """One old name kept for a release: ``kind`` is ``"attribute"`` (of a class), ``"parameter"`` (of a
-    function) or ``"function"`` (of a module); ``replacement`` is the name to use instead (or None)."""
+    function), ``"function"`` (of a module) or ``"module"`` (a module moved: ``name`` its old path,
+    ``replacement`` its new one); ``replacement`` is the name to use instead (or None)."""
 
     kind: str
     name: str
@@ -157,3 +165,24 @@ def deprecated_function(func: F, old: str, *, since: str) -> F:
     inner.__name__ = inner.__qualname__ = old
     _marked(inner, func, Deprecation("function", old, func.__name__, since))
     return inner  # type: ignore[return-value]
+
+
+def moved_module(old: str, new: str, *, since: str) -> tuple[Callable[[str], Any], Deprecation]:
+    """A module moved from ``old`` to ``new``: returns the old module's ``(__getattr__, __ple_moved__)``.
+
+    Reading any name of the new module through the old path (``from old import X``, ``old.X``) raises the
+    ``DeprecationWarning`` (pointing at the reader's line) and gives the new module's own object, so classes
+    and constants stay one object under both paths. ``import old`` alone does not warn: nothing is used yet.
+    ``__ple_moved__`` tells ``tests/test_public_surface.py`` that every entry under the old path is deprecated
+    since ``since``.
+    """
+    _check_since(since)
+    target = importlib.import_module(new)
+
+    def __getattr__(name: str) -> Any:  # noqa: N807 (a module's __getattr__)
+        if name.startswith("__") or not hasattr(target, name):
+            raise AttributeError(f"module {old!r} has no attribute {name!r} (it moved to {new!r})")
+        warn_deprecated(f"{old}.{name}", f"{new}.{name}", since)
+        return getattr(target, name)
+
+    return __getattr__, Deprecation("module", old, new, since)

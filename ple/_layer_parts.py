@@ -77,7 +77,7 @@ class NGramEmbedding(nn.Module):
 
     def quantize_(self, scheme: str) -> None:
         """Replace the float table by its quantization, in place: ``"fp8"``, ``"int8"`` or ``"nf4"`` (``ple.quant``).
-        A table whose values are not in memory (on the meta device, e.g. ``ple.io.disk.DiskTable``) is a
+        A table whose values are not in memory (on the meta device, e.g. ``ple.io.DiskTable``) is a
         ``ValueError``: quantize its checkpoint with ``ple.io.convert`` instead."""
         if self.ngram_embedding.weight.device.type == "meta":
             raise ValueError(f"table: cannot quantize a table whose values are not in memory "

@@ -390,7 +390,7 @@ class PLELayer(nn.Module):
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         """The end of ``with layer:`` (``with ple.io.load_layer(...) as layer:``) is the table's: a table on
-        disk is closed, an overlay flushed first unless the block raised (``ple.io.disk_train``); a table in
+        disk is closed, an overlay flushed first unless the block raised (``ple.io.disk_table.training``); a table in
         memory has nothing to release, and the layer stays usable."""
         leave = getattr(self.table, "__exit__", None)
         if leave is not None:

@@ -19,7 +19,7 @@ preceding decoder layer:
   the host, asynchronously).
 * CUDA, table on the device: the gather runs on a side stream.
 * No CUDA: everything runs synchronously, inside the call.
-* A table in files (``ple.io.disk.DiskTable``, ``load_layer(..., offload="disk")``): its
+* A table in files (``ple.io.DiskTable``, ``load_layer(..., offload="disk")``): its
   gather (a read of the rows from a memory-mapped file, through its row cache) runs in the
   worker thread with or without CUDA, through `start_gather`, so the reads overlap the
   preceding layers; on CUDA the rows are then copied as for a host table.
@@ -188,7 +188,7 @@ def start_gather(gather: HostGather, ids: torch.Tensor, device: torch.device) ->
     (as ``ple.quant.gather_raw`` does; NF4: the packed rows ``[T, NH * (D/2 + 4)]``, ``row_scale``
     None, unpacked on ``device`` when the lookup uses them), in pinned memory when ``pin`` (True
     when ``device`` is a CUDA device). For tables that are gathered on the host, wherever they live: in host memory
-    (`start_fetch`) or in files (``ple.io.disk.DiskTable``). It runs in the worker even without
+    (`start_fetch`) or in files (``ple.io.DiskTable``). It runs in the worker even without
     CUDA, so a slow gather (a disk read) overlaps the caller's work; on CUDA the rows are then
     copied on a side stream, and ids on the device are first copied to the host asynchronously.
     """

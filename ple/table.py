@@ -15,7 +15,7 @@ either, sharded             its tensors DTensors on a device mesh (``ple.distrib
                             ``TableRowwise`` / ``TableColwise``): each rank holds a piece and
                             the lookup is a collective, dispatched through the hook
                             ``ple.distributed`` registers (`register_dtensor_lookup`)
-``ple.io.disk.DiskTable``   any of the stored dtypes left in the checkpoint's files, read
+``ple.io.DiskTable``   any of the stored dtypes left in the checkpoint's files, read
                             through read-only memory maps and a row cache
                             (``load_layer(..., offload="disk")``); it overrides `lookup`,
                             `prefetch` and the placement methods, and the subclass hook
@@ -36,7 +36,7 @@ readable statement) and by ``ple.quant.dequantize_rows`` (vectorised) otherwise;
 same bits. An NF4 table is saved to and loaded from checkpoints (``ple.io``) and offloaded like
 the others: kept in host memory (its packed rows, ``D/2 + 4`` bytes each, are gathered on the host
 and cross the bus packed, to be unpacked on the device) or read from its files
-(``ple.io.disk.DiskTable``), and sharded by rows only (``ple.distributed``: whole packed rows a rank,
+(``ple.io.DiskTable``), and sharded by rows only (``ple.distributed``: whole packed rows a rank,
 moved packed and unpacked after the collective).
 
 While a row optimizer (``ple.optim``) holds a float table, its lookups record for it: `row_grad_lookup`

@@ -379,13 +379,14 @@ def py_rows(window: list[int], mult: list[int], sizes: list[int], P: int) -> lis
 
 
 def reads_not_counted(monkeypatch, mode, most_rows: int, what: str) -> None:
-    """Patch the disk table's positional reads (``ple.io._reads.pread_rows``, as ``ple.io.disk`` calls it) so that
-    ``mode``, a dispatch mode that records the largest tensor made and skips ops while its ``paused`` is True,
-    does not count their scratch buffer: it holds the pages of a gather's coalesced runs, a page or two a row read
-    (at a tiny table, runs span the whole file), a cost of the rows read, not of the table. Each read must be of
-    at most ``most_rows`` rows (``what`` says which rows those are, in the failure)."""
-    import ple.io._reads as reads
-    import ple.io.disk as disk
+    """Patch the disk table's positional reads (``ple.io.disk_table._reads.pread_rows``, as
+    ``ple.io.disk_table.table`` calls it) so that ``mode``, a dispatch mode that records the largest tensor made and
+    skips ops while its ``paused`` is True, does not count their scratch buffer: it holds the pages of a gather's
+    coalesced runs, a page or two a row read (at a tiny table, runs span the whole file), a cost of the rows read,
+    not of the table. Each read must be of at most ``most_rows`` rows (``what`` says which rows those are, in the
+    failure)."""
+    import ple.io.disk_table._reads as reads
+    import ple.io.disk_table.table as disk
 
     real = reads.pread_rows
 

@@ -1,5 +1,5 @@
 """Crashes injected at an overlay's file operations, and the order of those operations checked against what a
-flush promises (``ple.io.overlay``), and the killed child processes: used by ``tests/io/test_overlay.py`` and
+flush promises (``ple.io.disk_table.overlay``), and the killed child processes: used by ``tests/io/test_overlay.py`` and
 ``tests/io/test_disk_train_kill.py``.
 
 A process killed (SIGKILL) leaves the kernel's page cache behind it, so no kill test sees an fsync that is
@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from ple.io._overlay_files import MANIFEST
+from ple.io.disk_table.overlay._files import MANIFEST
 
 __all__ = ["Crash", "FaultInjector", "check_flush_order", "watched_child"]
 

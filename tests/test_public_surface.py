@@ -113,12 +113,19 @@ def collect() -> tuple[dict[str, str | None], frozenset[str]]:
 
     surface: dict[str, str | None] = {}
     exported: dict[int, tuple[object, list[str]]] = {}
+    moved: dict[str, str] = {}                          # a moved module's old path -> the version it warns since
     for module_name in public_modules():
         module = importlib.import_module(module_name)
-        surface[module_name] = None
+        was = getattr(module, "__ple_moved__", None)
+        if was is not None:
+            moved[module_name] = was.since
+        surface[module_name] = moved.get(module_name)
         for name in getattr(module, "__all__", ()):
-            obj = getattr(module, name)
-            since = next((d.since for d in deprecations_of(obj) if d.kind == "function" and d.name == name), None)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", DeprecationWarning)        # read through a moved module's path
+                obj = getattr(module, name)
+            since = next((d.since for d in deprecations_of(obj) if d.kind == "function" and d.name == name),
+                         moved.get(module_name))
             surface[f"{module_name}.{name}"] = since
             if isinstance(obj, types.ModuleType):
                 continue
@@ -128,8 +135,9 @@ def collect() -> tuple[dict[str, str | None], frozenset[str]]:
                 exported.setdefault(id(obj), (obj, []))[1].append(f"{module_name}.{name}")
     present = set(surface)
     for obj, paths in exported.values():
-        home = getattr(obj, "__module__", "") or ""              # the shortest path, then the defining package's
-        canonical = min(paths, key=lambda p: (p.count("."), not home.startswith(p.rpartition(".")[0]), p))
+        home = getattr(obj, "__module__", "") or ""     # a path not moved, the shortest, the defining package's
+        canonical = min(paths, key=lambda p: (p.rpartition(".")[0] in moved, p.count("."),
+                                              not home.startswith(p.rpartition(".")[0]), p))
         for path in paths:
             entries: dict[str, str | None] = {}
             _callable_entries(path, obj, entries)
@@ -143,7 +151,10 @@ def collect() -> tuple[dict[str, str | None], frozenset[str]]:
                     if inspect.isfunction(value):
                         _callable_entries(f"{path}.{member}", value, entries)
             present |= set(entries)
-            if path == canonical:
+            old_since = moved.get(path.rpartition(".")[0])
+            if old_since is not None:                       # under a moved module's path: each entry deprecated
+                surface.update({e: since or old_since for e, since in entries.items()})
+            elif path == canonical:
                 surface.update(entries)
     return surface, frozenset(present)
 
@@ -220,7 +231,9 @@ def test_every_public_module_declares_all_and_exports_what_it_declares():
         names = getattr(module, "__all__", None)
         assert isinstance(names, (list, tuple)), f"{module_name}: no __all__"
         assert len(set(names)) == len(names), f"{module_name}: __all__ lists a name twice"
-        missing = [n for n in names if not hasattr(module, n)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)              # a moved module's names warn
+            missing = [n for n in names if not hasattr(module, n)]
         assert not missing, f"{module_name}: __all__ names what it lacks: {missing}"
 
 
@@ -420,6 +433,39 @@ def test_the_names_renamed_for_the_glossary_still_work(tmp_path):
         assert [b[0] for b in table_blocks(ckpt, plan, 0, 5, block_rows=3)] == [0, 3]
     with pytest.warns(DeprecationWarning, match="'block_rows' argument of CheckpointTable.blocks"):
         assert len(list(CheckpointTable(ckpt, plan).blocks(0, 5, block_rows=3))) == 2
+
+
+MOVED = {"ple.io.disk": "ple.io.disk_table.table", "ple.io.disk_train": "ple.io.disk_table.training",
+         "ple.io.mapped": "ple.io.disk_table.mapped", "ple.io.overlay": "ple.io.disk_table.overlay",
+         "ple.io.row_cache": "ple.io.disk_table.row_cache"}
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_the_disk_tables_old_module_paths_still_work_and_warn(old):
+    """The disk table's modules moved into ``ple.io.disk_table``: every public name under its old path warns,
+    pointing at the reader's line, and is the new module's own object; the surface records them deprecated."""
+    module, new = importlib.import_module(old), importlib.import_module(MOVED[old])
+    assert module.__all__ and set(module.__all__) <= set(dir(new))
+    for name in module.__all__:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            got = getattr(module, name)
+        _one_deprecation_warning(record, f"{old}.{name} is deprecated since ple 0.1.0", f"{MOVED[old]}.{name}")
+        assert got is getattr(new, name), name
+    with pytest.warns(DeprecationWarning, match=f"{old}.{module.__all__[0]} is deprecated"):
+        exec(f"from {old} import {module.__all__[0]}", {})
+    with pytest.raises(AttributeError, match=f"has no attribute 'no_such_name' .*moved to '{MOVED[old]}'"):
+        module.no_such_name  # noqa: B018
+    assert module.__ple_moved__.kind == "module" and module.__ple_moved__.replacement == MOVED[old]
+    snapshot = read_snapshot()
+    assert all(snapshot.get(f"{old}.{name}") == "0.1.0" for name in module.__all__)
+    assert snapshot.get(old) == "0.1.0"
+
+
+def test_moved_module_checks_its_version():
+    from ple._deprecation import moved_module
+    with pytest.raises(ValueError, match="^since: "):
+        moved_module("ple.old", "ple.io", since="next")
 
 
 # ---- regenerate -----------------------------------------------------------------------------------------------

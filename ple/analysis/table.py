@@ -3,7 +3,7 @@
 Every table of ``ple.table`` is read here the same way, a block of rows at a time, so the memory a
 call takes is a few blocks (`BLOCK_BYTES`), never the table: a dense or quantized table in device or
 host memory is sliced (a quantized block dequantized by the formula of its lookups, ``ple.quant``); a
-table on disk (``ple.io.disk.DiskTable``) is read from its mapped files, past its row cache (which keeps
+table on disk (``ple.io.DiskTable``) is read from its mapped files, past its row cache (which keeps
 its rows and counters: ``table.stats()`` does not move), with an overlay's rows put in where it has
 them (``load_layer(..., overlay=DIR)``), as its lookups read them. A sharded table (``ple.distributed``,
 a DTensor ``weight``) is not read: a ``ValueError`` naming the argument.
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from .. import _checks
-from ..io.disk import DiskTable
+from ..io.disk_table.table import DiskTable
 from ..layer import PLELayer
 from ..table import Table
 

@@ -12,19 +12,19 @@
 * `save`: the same layout, sharded and optionally quantized, streamed to disk.
 * `convert`: re-shard a checkpoint's tables or change their dtype, block by block.
 * `merge`: a new checkpoint of a base and the rows a disk table trained into its overlay
-  (``load_layer(..., offload="disk", overlay=DIR)``, ``ple.io.disk_train``), block by block.
+  (``load_layer(..., offload="disk", overlay=DIR)``, ``ple.io.disk_table.training``), block by block.
 * ``ple.io.policy``: what transformers would load wrong, and the ``ple_only`` mark.
 * `inspect`: what a checkpoint holds, from its headers.
-* `DiskTable` (``ple.io.disk``): a table left in its files, read in place (positional reads, many in
-  flight) through a row cache, ``load_layer(..., offload="disk", cache_bytes=N)``; trainable through an
-  overlay (``ple.io.overlay``).
+* `DiskTable` (``ple.io.disk_table``, a package of its own): a table left in its files, read in place
+  (positional reads, many in flight) through a row cache, ``load_layer(..., offload="disk", cache_bytes=N)``;
+  trainable through an overlay (``ple.io.disk_table.overlay``).
 
 Command line: ``python -m ple inspect PATH``, ``python -m ple convert SRC DST`` and
 ``python -m ple merge PATH DIR OUT``.
 """
 
 from .convert import convert
-from .disk import DiskTable
+from .disk_table import DiskTable
 from .files import Checkpoint, TensorInfo
 from .inspect import format_inspect, inspect
 from .layout import MODEL_PREFIX, LayerPlan, find_layers, model_prefix, plan_layer, shard_rows

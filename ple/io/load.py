@@ -25,8 +25,8 @@ from ..layer import PLELayer
 from ..quant import Scheme, nf4_unpack
 from ..reference.hashing import hash_params
 from ..table import QuantizedTable, Table
-from .disk import DISK_CACHE_BYTES, DiskTable
-from .disk_train import OVERLAY_BYTES, TableOverlay, base_fingerprint, check_overlay_args
+from .disk_table.table import DISK_CACHE_BYTES, DiskTable
+from .disk_table.training import OVERLAY_BYTES, TableOverlay, base_fingerprint, check_overlay_args
 from .files import Checkpoint, dtype_name
 from .layout import (
     BUFFERS,
@@ -372,12 +372,12 @@ def load_layer(path: CheckpointSource, config: ConfigSource = None, ple_layer_in
     exists (``ple.offload``), and put the rest on ``device`` (``offload=True`` or
     ``"host"``); ``offload="disk"``: leave the table in its files and read its rows from
     them as they are needed, through read-only memory maps and a cache of ``cache_bytes`` of
-    hot rows (default ``ple.io.disk.DISK_CACHE_BYTES``, 256 MiB; 0: none): the table is a
-    ``ple.io.disk.DiskTable``, whose rows are those of the in-memory table bit for bit and
+    hot rows (default ``ple.io.disk_table.table.DISK_CACHE_BYTES``, 256 MiB; 0: none): the table is a
+    ``ple.io.DiskTable``, whose rows are those of the in-memory table bit for bit and
     are never all read (``table.stats()`` counts what is).
-    ``overlay=DIR`` (with ``offload="disk"``): the table trains (docs/spec.md 12, ``ple.io.disk_train``): a row
+    ``overlay=DIR`` (with ``offload="disk"``): the table trains (docs/spec.md 12, ``ple.io.disk_table.training``): a row
     optimizer (``ple.optim``) writes the rows it changes, and their state, to an overlay in DIR (kept in memory
-    up to ``overlay_bytes``, default ``ple.io.disk_train.OVERLAY_BYTES``, 1 GiB; spilled to files in DIR
+    up to ``overlay_bytes``, default ``ple.io.disk_table.training.OVERLAY_BYTES``, 1 GiB; spilled to files in DIR
     beyond it), never to the checkpoint's files; ``layer.table.flush()`` makes it durable, and an existing
     overlay is resumed (``ple.io.load_optimizer(opt, DIR)`` for the optimizer's step count). ``overlay_dtype``:
     of its rows (default: the table's dtype for a float table, so training equals the in-memory table's bit

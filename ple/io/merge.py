@@ -1,21 +1,23 @@
 """Merging a trained overlay into its base: `merge` writes one whole checkpoint of base + overlay (docs/spec.md 12).
 
-A disk table trained through an overlay (``load_layer(path, offload="disk", overlay=DIR)``, ``ple.io.disk_train``)
-leaves the checkpoint's files as they were and the rows training changed in ``DIR``. `merge` writes a new
-checkpoint whose table holds, for every row, the overlay's value where it has one and the base's elsewhere: what
-the trained layer's lookups return. Every other tensor and file is copied as ``ple.io.convert`` copies them.
+A disk table trained through an overlay (``load_layer(path, offload="disk", overlay=DIR)``,
+``ple.io.disk_table.training``) leaves the checkpoint's files as they were and the rows training changed in ``DIR``.
+`merge` writes a new checkpoint whose table holds, for every row, the overlay's value where it has one and the
+base's elsewhere: what the trained layer's lookups return. Every other tensor and file is copied as
+``ple.io.convert`` copies them.
 
 Streaming. The table is written as ``convert`` writes it (``ple.io.save.table_entries``), from a `MergedTable`:
 blocks of at most ``block_bytes`` (as float32) of the base, read in row order (``ple.io.load.table_blocks``),
 each with the overlay's rows of that block put in. The overlay is read *per block*, by id
-(`~ple.io.overlay.OverlayStore.read` of the block's row range: a hash probe per row, then the rows of the hits),
+(`~ple.io.disk_table.overlay.OverlayStore.read` of the block's row range: a hash probe per row, then the rows
+of the hits),
 rather than walked in id order with ``items``: the writer asks for a block range more than once and not always
 in order (an FP8 target reads the table twice, once for its largest magnitude; an int8 target reads each shard
 once for its values and once for its scales), and a read by id answers any range directly, holding one block's
 rows of the overlay, where a cursor over ``items`` would restart from the first row each time. The probe costs
 about one memory access a row (measured: half the cost of casting a bfloat16 row of 160 values to float32). So
 memory is a few blocks, plus the overlay's index (the store's: a bit per table row and a fence per 128 of its
-rows on disk, ``ple.io.overlay``); the whole table is never held.
+rows on disk, ``ple.io.disk_table.overlay``); the whole table is never held.
 """
 
 from __future__ import annotations
@@ -31,7 +33,6 @@ import torch
 from .. import _checks
 from .._deprecation import deprecated_parameter
 from ..quant import Scheme
-from ._overlay_files import differences
 from .convert import (
     WEIGHT_SUFFIXES,
     _copy_entry,
@@ -41,13 +42,14 @@ from .convert import (
     open_source,
     write_converted,
 )
-from .disk import DiskTable
-from .disk_train import base_fingerprint
+from .disk_table.overlay._files import differences
+from .disk_table.overlay.store import OverlayStore
+from .disk_table.table import DiskTable
+from .disk_table.training import base_fingerprint
 from .files import Checkpoint, dtype_name
 from .layout import LayerPlan
 from .load import BLOCK_BYTES, table_blocks
 from .optim_state import OPTIMIZER_DIR
-from .overlay import OverlayStore
 from .policy import problems_of, refuse_unless_ple_only
 from .save import (
     CheckpointTable,
@@ -105,8 +107,8 @@ def merge(path: CheckpointSource, overlay: str | os.PathLike[str], out: str | os
     ``manifest.json``), or a folder of them, ``ple_layer_{i}`` for PLE layer i (``load_layers(...,
     overlay=DIR)``; a layer's folder without a manifest was never flushed and is skipped). Each overlay is
     applied to the layer whose base it records (config, prefix, files and sampled rows, as
-    ``ple.io.disk_train.base_fingerprint``): an overlay made on another base is a ``ValueError`` naming it and
-    what differs. Its last flushed generation is merged (`~ple.io.overlay.OverlayStore`; updates a live
+    ``ple.io.disk_table.training.base_fingerprint``): an overlay made on another base is a ``ValueError`` naming it and
+    what differs. Its last flushed generation is merged (`~ple.io.disk_table.overlay.OverlayStore`; updates a live
     trainer has not flushed are not), every file of it checked against its checksums before ``out`` is
     touched: a damaged one is a ``ValueError`` naming it. The overlay is opened read only: while its trainer
     holds it (between ``flush()`` calls), its last flushed generation is read without the lock.

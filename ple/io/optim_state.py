@@ -181,7 +181,7 @@ def load_optimizer(optimizer: Any, path: str | os.PathLike[str]) -> None:
 
 
 def _load_from_overlays(optimizer: Any, overlays: list[Any], path: Path) -> None:
-    """Disk tables trained through overlays (``ple.io.disk_train``): the rows' state is in the overlays
+    """Disk tables trained through overlays (``ple.io.disk_table.training``): the rows' state is in the overlays
     already; the step count and hyperparameters are those their last flush kept. ``path`` is the overlay
     directory (several tables: a folder holding all their overlays)."""
     if any(o is None for o in overlays):

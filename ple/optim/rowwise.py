@@ -58,7 +58,7 @@ def other_parameters(layer: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def _overlay_of(table: Table) -> Any:
-    """The overlay a disk table trains through (``ple.io.disk_train.TableOverlay``), or None."""
+    """The overlay a disk table trains through (``ple.io.disk_table.training.TableOverlay``), or None."""
     return getattr(table, "_overlay", None)
 
 

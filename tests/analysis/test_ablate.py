@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ple.analysis.table import ablate
-from ple.io.disk import DiskTable
+from ple.io.disk_table.table import DiskTable
 from ple.table import Table
 from ple.testing.layers import random_layer
 from ple.testing.numerics import assert_bitwise_equal

@@ -14,7 +14,7 @@ from analysis._placements import TINY, inputs, placed, table_values
 import ple
 import ple.io as pio
 from ple.analysis.table import TableDiff, table_diff
-from ple.io.disk import DiskTable
+from ple.io.disk_table.table import DiskTable
 from ple.testing.layers import random_layer
 
 analysis_table = importlib.import_module("ple.analysis.table")

@@ -1,4 +1,5 @@
-"""``ple.io._reads``: a disk table's cold reads, ``READ_DEPTH`` positional reads in flight into its own buffers.
+"""``ple.io.disk_table._reads``: a disk table's cold reads, ``READ_DEPTH`` positional reads in flight into its own
+buffers.
 
 The bytes: those of the in-memory table and of a plain mapped read, bit for bit, for every table dtype, whole or
 over several files; the coalescing corners (rows in one page, adjacent pages, the first and last row of a file and
@@ -23,10 +24,10 @@ import torch
 
 import ple.io as pio
 from ple import PLEConfig
-from ple.io import _reads
-from ple.io._reads import MAX_RUN_BYTES, PAGE, READ_DEPTH, plan_runs, pread_rows
-from ple.io.disk import DiskTable
-from ple.io.mapped import READ_THREADS, map_view
+from ple.io.disk_table import _reads
+from ple.io.disk_table._reads import MAX_RUN_BYTES, PAGE, READ_DEPTH, plan_runs, pread_rows
+from ple.io.disk_table.mapped import READ_THREADS, map_view
+from ple.io.disk_table.table import DiskTable
 from ple.testing.layers import random_layer
 from ple.testing.numerics import assert_bitwise_equal
 
@@ -253,7 +254,7 @@ def test_the_prefetch_overlaps_the_callers_work(wide, monkeypatch):
 _RSS = textwrap.dedent("""
     import json, sys, torch
     import ple.io as pio
-    from ple.io.mapped import map_view, read_rows
+    from ple.io.disk_table.mapped import map_view, read_rows
 
     def rss_file():
         for line in open("/proc/self/status"):

@@ -1,4 +1,4 @@
-"""``ple.io.disk``: a table read in place from its files (``load_layer(..., offload="disk")``).
+"""``ple.io.disk_table.table``: a table read in place from its files (``load_layer(..., offload="disk")``).
 
 Bits equal to the in-memory table (forward, serving, prefetched or not, whole or sharded, float, FP8, int8);
 the row cache against a model of its policy; the counters; files truncated or changed after loading; the
@@ -24,7 +24,7 @@ from _helpers import assert_cuda_lookups, assert_prefetched_forward, assert_same
 
 import ple.io as pio
 from ple import PLEConfig
-from ple.io.disk import DiskTable, RowCache
+from ple.io.disk_table.table import DiskTable, RowCache
 from ple.io.files import Checkpoint
 from ple.io.layout import plan_layer
 from ple.offload import is_offloaded, offload_table
@@ -360,7 +360,7 @@ def test_a_disk_table_garbage_collected_unclosed_gives_its_file_descriptors_back
     file's descriptor is closed when the file object is collected; ``close()`` still closes it at once, once."""
     import gc
 
-    from ple.io.mapped import MappedFile
+    from ple.io.disk_table.mapped import MappedFile
 
     path = save(tmp_path / "ck", None, parts=2)
 

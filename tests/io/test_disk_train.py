@@ -1,4 +1,5 @@
-"""``ple.io.disk_train``: a disk table trained through an overlay (docs/spec.md 12, ``load_layer(..., overlay=DIR)``).
+"""``ple.io.disk_table.training``: a disk table trained through an overlay (docs/spec.md 12, ``load_layer(...,
+overlay=DIR)``).
 
 Bits: training through the overlay equals the same training on the in-memory table (bfloat16 and float32
 tables; every rule, fused or not, micro-batches, a memory budget so small that rows spill, lookups
@@ -34,8 +35,8 @@ import ple
 import ple.io as pio
 import ple.quant
 from ple import PLEConfig
-from ple.io._overlay_files import MANIFEST
-from ple.io.disk import DiskTable
+from ple.io.disk_table.overlay._files import MANIFEST
+from ple.io.disk_table.table import DiskTable
 from ple.optim.rowwise import STATE_NAMES
 from ple.table import DenseTable
 from ple.testing.layers import random_layer
@@ -687,7 +688,7 @@ def test_damage_leaves_other_rows_readable(ckpts, tmp_path):
 def test_fingerprint_samples_lie_in_the_table(n):
     """The sampled rows are inside ``[0, n)``, the first and the last included, distinct and sorted, at the
     real table's row count too (a float32 linspace gave row ``n`` there)."""
-    from ple.io.disk_train import SAMPLE_ROWS, sample_ids
+    from ple.io.disk_table.training import SAMPLE_ROWS, sample_ids
 
     ids = sample_ids(n)
     assert ids.dtype == torch.int64 and int(ids[0]) == 0 and int(ids[-1]) == n - 1

@@ -36,8 +36,8 @@ from _overlay_helpers import Crash, FaultInjector, check_flush_order, watched_ch
 import ple
 import ple.io as pio
 from ple import PLEConfig
-from ple.io._overlay_files import LOCK, MANIFEST
-from ple.io.overlay import SLOT_OVERHEAD
+from ple.io.disk_table.overlay._files import LOCK, MANIFEST
+from ple.io.disk_table.overlay.store import SLOT_OVERHEAD
 from ple.optim.rowwise import STATE_NAMES
 from ple.testing.layers import random_layer
 from ple.testing.numerics import assert_bitwise_equal

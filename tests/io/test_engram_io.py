@@ -23,9 +23,9 @@ import ple.io as pio
 import ple.optim as O
 from ple import PLEConfig, PLELayer
 from ple.__main__ import main
-from ple.io.disk import DiskTable
+from ple.io.disk_table.overlay.store import OverlayStore
+from ple.io.disk_table.table import DiskTable
 from ple.io.files import Checkpoint
-from ple.io.overlay import OverlayStore
 from ple.io.policy import ENGRAM_PROBLEM
 from ple.reference import hash_params
 from ple.testing.layers import random_layer

@@ -23,10 +23,10 @@ from torch.utils._pytree import tree_flatten
 import ple
 import ple.io as pio
 from ple import PLEConfig
-from ple.io.disk import DiskTable
-from ple.io.disk_train import SAMPLE_ROWS, base_fingerprint
+from ple.io.disk_table.overlay.store import OverlayStore
+from ple.io.disk_table.table import DiskTable
+from ple.io.disk_table.training import SAMPLE_ROWS, base_fingerprint
 from ple.io.files import Checkpoint
-from ple.io.overlay import OverlayStore
 from ple.quant import dequantize, quantize
 from ple.testing.layers import random_layer
 from ple.testing.numerics import assert_bitwise_equal

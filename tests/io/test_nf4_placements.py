@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 
 import ple.io as pio
 from ple import PLEConfig
-from ple.io.disk import DiskTable
+from ple.io.disk_table.table import DiskTable
 from ple.io.files import Checkpoint
 from ple.io.layout import model_prefix, plan_layer
 from ple.offload import is_offloaded, offload_table

@@ -1,4 +1,4 @@
-"""``ple.io.overlay``: the durable store of a trainable disk table's changed rows and their optimizer state.
+"""``ple.io.disk_table.overlay``: the durable store of a trainable disk table's changed rows and their optimizer state.
 
 Rows and states bit for bit (random bits: NaNs, infinities and subnormals included) in memory, spilled past
 the memory budget, flushed and reopened; the base fingerprint and layout checks; one writer at a time (in this
@@ -32,8 +32,8 @@ import pytest
 import torch
 from _overlay_helpers import Crash, FaultInjector, check_flush_order, watched_child
 
-from ple.io._overlay_files import LOCK, MANIFEST
-from ple.io.overlay import SLOT_OVERHEAD, OverlayStore
+from ple.io.disk_table.overlay._files import LOCK, MANIFEST
+from ple.io.disk_table.overlay.store import SLOT_OVERHEAD, OverlayStore
 
 D = 8
 BASE = {"config": {"dim": D, "rows": 100_000}, "files": {"model.safetensors": [123456, 1700000000]}}
@@ -279,7 +279,7 @@ def test_reader_beside_a_writer_follows_its_flushes(tmp_path, monkeypatch):
     """A reader opened while a writer holds the overlay reads the last flushed generation; files the writer
     deletes later stay readable to it; a flush that deletes the files of the manifest it just read (a race)
     makes it read the newer manifest, and a manifest naming a missing file with no newer one is damage."""
-    import ple.io._overlay_files as ofiles
+    import ple.io.disk_table.overlay._files as ofiles
 
     g = torch.Generator().manual_seed(5)
     d = tmp_path / "ov"
@@ -316,7 +316,7 @@ def test_reader_beside_a_writer_follows_its_flushes(tmp_path, monkeypatch):
 
 _SECOND = """
 import sys, time
-from ple.io.overlay import OverlayStore
+from ple.io.disk_table.overlay.store import OverlayStore
 try:
     OverlayStore.open(sys.argv[1], base={}, dim=4, memory_bytes=0)
 except RuntimeError as e:

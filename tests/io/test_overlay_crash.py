@@ -1,4 +1,4 @@
-"""Crashes inside the overlay's streamed merges (``ple.io.overlay``, index off the heap): spills past a small
+"""Crashes inside the overlay's streamed merges (``ple.io.disk_table.overlay``, index off the heap): spills past a small
 budget pile up segments, merged inside steps (past ``max_segments``) and at the flush, a few rows at a time
 (small ``chunk_bytes``, small fences), with rows shadowed across segments. A crash at any file operation (a
 `FaultInjector`), or a kill -9 at any moment, leaves the directory loadable as of the last flush or the new
@@ -16,8 +16,8 @@ import pytest
 import torch
 from _overlay_helpers import Crash, FaultInjector, check_flush_order, watched_child
 
-from ple.io import _overlay_files as ofiles
-from ple.io.overlay import SLOT_OVERHEAD, OverlayStore
+from ple.io.disk_table.overlay import _files as ofiles
+from ple.io.disk_table.overlay.store import SLOT_OVERHEAD, OverlayStore
 
 D = 4
 STATE = {"sum": ((), torch.float32)}

@@ -1,8 +1,8 @@
-"""The overlay's index off the heap (``ple.io._overlay_index`` and its use by ``ple.io.overlay``): the hash index
-of the rows in memory, the bitmap of the ids on disk, the fences and the search of a segment's mapped ids, the
-streaming k-way merge; and the store through them: shadowing across segments, ids in no segment, ids at fence
-boundaries, merges of many segments in small chunks, compaction, reopening, a read-only snapshot beside a
-writer, and an overlay written by the earlier version of the store."""
+"""The overlay's index off the heap (``ple.io.disk_table.overlay._index`` and its use by
+``ple.io.disk_table.overlay``): the hash index of the rows in memory, the bitmap of the ids on disk, the fences and
+the search of a segment's mapped ids, the streaming k-way merge; and the store through them: shadowing across
+segments, ids in no segment, ids at fence boundaries, merges of many segments in small chunks, compaction,
+reopening, a read-only snapshot beside a writer, and an overlay written by the earlier version of the store."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ import tarfile
 import pytest
 import torch
 
-from ple.io import _overlay_files as ofiles
-from ple.io import _overlay_index as oindex
-from ple.io._overlay_index import IdBitmap, SlotIndex, fences_of, find_sorted, merge_sorted
-from ple.io.overlay import SLOT_OVERHEAD, OverlayStore
+from ple.io.disk_table.overlay import _files as ofiles
+from ple.io.disk_table.overlay import _index as oindex
+from ple.io.disk_table.overlay._index import IdBitmap, SlotIndex, fences_of, find_sorted, merge_sorted
+from ple.io.disk_table.overlay.store import SLOT_OVERHEAD, OverlayStore
 
 D = 4
 STATE = {"sum": ((), torch.float32)}
@@ -180,7 +180,8 @@ def test_ids_in_no_segment_are_not_searched(tmp_path, monkeypatch):
         store.flush()
         calls = []
         real = oindex.find_sorted
-        monkeypatch.setattr("ple.io._overlay_segments.find_sorted", lambda *a: calls.append(a[3]) or real(*a))
+        monkeypatch.setattr("ple.io.disk_table.overlay._segments.find_sorted",
+                            lambda *a: calls.append(a[3]) or real(*a))
         hit, rows = store.lookup(torch.arange(1, 2000, 2))
         assert not hit.any() and not rows.any() and calls == []
         hit, _ = store.lookup(torch.tensor([4, 5, 9999, 10_000, 10**9]))

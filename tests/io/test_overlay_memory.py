@@ -1,5 +1,5 @@
 """The overlay's memory: its own (anonymous) memory stays within its budget + the stated constants
-(``ple.io.overlay``: ``memory_bytes`` + the bitmap + the fences + ``FIXED_BYTES``) while it trains far more
+(``ple.io.disk_table.overlay``: ``memory_bytes`` + the bitmap + the fences + ``FIXED_BYTES``) while it trains far more
 rows than its budget holds, through spills, flushes, merges and compactions, and grows by at most 2 bytes
 per extra row trained (the fences: 1/16 byte a row). Measured in a fresh process (``RssAnon`` of
 /proc/self/status), steps like a training's: a read of the step's rows, then an update of them.
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ple.io.overlay import FENCE_EVERY, FIXED_BYTES, OverlayStore
+from ple.io.disk_table.overlay.store import FENCE_EVERY, FIXED_BYTES, OverlayStore
 
 pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs /proc/self/status")
 

@@ -1,4 +1,4 @@
-"""`RowCache`: a bounded cache of table rows, for `ple.io.disk.DiskTable`.
+"""`RowCache`: a bounded cache of table rows, for `ple.io.DiskTable`.
 
 The cache (`RowCache`): ``cache_bytes`` bounds its memory, rows and bookkeeping together (16
 bytes a row: its id and its last use); rows are kept in the table's stored dtype (an FP8 row

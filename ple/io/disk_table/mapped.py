@@ -1,10 +1,10 @@
-"""The checkpoint's files opened read only, for `ple.io.disk.DiskTable`: `MappedFile` (one file, mapped read
+"""The checkpoint's files opened read only, for `ple.io.DiskTable`: `MappedFile` (one file, mapped read
 only, its header checked again from the mapping, its size and modification time watched), `TablePiece` (rows
 of the table in one file), `map_view` (a tensor over the mapping, no copy) and `read_rows` (row gathers out of
 tensors such as those views, split over `READ_THREADS` threads: the overlay's segment files are read so).
 
 A `DiskTable` does not read its rows through the mapping: it reads them with positional reads, `READ_DEPTH`
-in flight, into buffers it owns (``ple.io._reads.pread_rows``), so the file's pages are never the process's
+in flight, into buffers it owns (``ple.io.disk_table._reads.pread_rows``), so the file's pages are never the process's
 resident memory and a cold gather keeps the disk's queue full. The mapping serves the header checks (and
 `map_view` for readers of small files).
 
@@ -38,14 +38,14 @@ from typing import Any, cast
 
 import torch
 
+from ..files import ST_DTYPES, dtype_name
 from ._reads import READ_DEPTH
-from .files import ST_DTYPES, dtype_name
 
 __all__ = ["MappedFile", "TablePiece", "map_view", "read_rows", "READ_THREADS", "READ_DEPTH"]
 
 READ_THREADS = 8
 """Threads of `read_rows` (gathers out of mapped views: the overlay's segment files). A `DiskTable`'s own reads
-keep `READ_DEPTH` positional reads in flight instead (``ple.io._reads``)."""
+keep `READ_DEPTH` positional reads in flight instead (``ple.io.disk_table._reads``)."""
 
 _MIN_CHUNK = 16                 # rows a reader thread is given at least
 

@@ -1,4 +1,4 @@
-"""Row reads at the device's queue depth, for `ple.io.disk.DiskTable`: `pread_rows`.
+"""Row reads at the device's queue depth, for `ple.io.DiskTable`: `pread_rows`.
 
 A cold row read waits on the disk (a random 4 KiB read: tens to hundreds of microseconds), and a disk serves
 many such reads at once: its IOPS grow with the requests in flight (its queue depth). `pread_rows` keeps

@@ -17,7 +17,7 @@ A lookup (``table.rows``, through `DiskTable.gather`, on the host):
 2. the cache is asked for the distinct rows; those it lacks (misses) are read from the files,
    sorted by file and offset, neighbours in the same or adjacent 4 KiB pages read by one request,
    ``READ_DEPTH`` (64) requests in flight from as many reader threads (a cold read waits on the
-   disk, which serves many at once: ``ple.io._reads``); the file's pages are never mapped into the
+   disk, which serves many at once: ``ple.io.disk_table._reads``); the file's pages are never mapped into the
    process, so they do not count in its resident memory;
 3. the misses enter the cache, evicting the least recently used rows of their sets (below);
 4. the rows are put back in the ids' order and moved to the ids' device; an FP8, int8 or NF4 table
@@ -34,18 +34,18 @@ raised before anything is cached. ``layer.start_prefetch`` runs steps 1-3 in the
 thread (with or without CUDA; ``ple.offload.start_gather``), so the reads overlap the layers
 before this one.
 
-The cache (`RowCache`, ``ple.io.row_cache``): ``cache_bytes`` bounds its memory, rows and their
+The cache (`RowCache`, ``ple.io.disk_table.row_cache``): ``cache_bytes`` bounds its memory, rows and their
 bookkeeping together; rows are kept in the table's stored dtype (NF4: packed rows, so a row
 costs ``D/2 + 4`` bytes); it is 16-way set associative, least recently used within a set.
 ``table.stats()`` counts what happened (``bytes_read``: the stored bytes, packed for NF4).
 
-Safety (``ple.io.mapped``): the files are opened (and mapped, for their headers) read only and never
+Safety (``ple.io.disk_table.mapped``): the files are opened (and mapped, for their headers) read only and never
 written; each is checked when opened (header and size) and before every read (size and modification
 time), so a file truncated or changed after loading is a ``ValueError`` naming it, not a crash; one cut
 while its rows are being read gives a short read, a ``ValueError`` naming it too.
 
 A `DiskTable` has no gradient tensor and its ``state_dict`` holds only the scales. It trains only through
-an overlay (``load_layer(..., overlay=DIR)``, ``ple.io.disk_train``): a row optimizer (``ple.optim``)
+an overlay (``load_layer(..., overlay=DIR)``, ``ple.io.disk_table.training``): a row optimizer (``ple.optim``)
 writes the rows it changes, and their state, to an overlay store in DIR, and lookups read them from there;
 `flush` makes it durable. ``weight`` is a meta tensor that says the table's shape and dtype as the in-memory table's
 ``weight`` would (``[rows, D]``; NF4: uint8 ``[rows, D/2 + 4]``, with `dim` D), so anything that would
@@ -62,22 +62,22 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from .. import _checks
-from .._deprecation import deprecated_parameter
-from ..offload import start_gather
-from ..quant import scheme_of
-from ..table import is_float_table, row_grad_lookup
+from ... import _checks
+from ..._deprecation import deprecated_parameter
+from ...offload import start_gather
+from ...quant import scheme_of
+from ...table import is_float_table, row_grad_lookup
+from ..files import Checkpoint, dtype_name, human_bytes
 from ._reads import READ_DEPTH, pread_rows
-from .disk_train import OverlayTraining
-from .files import Checkpoint, dtype_name, human_bytes
 from .mapped import READ_THREADS, MappedFile, TablePiece
 from .row_cache import CACHE_WAYS, SLOT_OVERHEAD, RowCache
+from .training import OverlayTraining
 
 if TYPE_CHECKING:
     from torch.types import Device
 
-    from ..backends import CustomOps
-    from .layout import LayerPlan
+    from ...backends import CustomOps
+    from ..layout import LayerPlan
 
 __all__ = ["DiskTable", "RowCache", "DISK_CACHE_BYTES", "CACHE_WAYS", "READ_THREADS", "READ_DEPTH"]
 
@@ -348,7 +348,8 @@ class DiskTable(OverlayTraining):
 
     def _read(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of sorted distinct ids from the files, ``[n, units]``: each file checked first, then the rows read
-        with ``READ_DEPTH`` positional reads in flight into a buffer of this call (``ple.io._reads.pread_rows``)."""
+        with ``READ_DEPTH`` positional reads in flight into a buffer of this call
+        (``ple.io.disk_table._reads.pread_rows``)."""
         out = torch.empty((ids.numel(), self._units), dtype=self._unit)
         if not ids.numel():
             return out

@@ -29,7 +29,7 @@ in memory up to ``memory_bytes``; beyond it the least recently updated are *spil
 directory (not durable until a flush lists it), from which lookups read them (mapped); spilled files are
 merged at the next flush, so a step does not wait on a merge (unless over ``MAX_SEGMENTS`` files pile up).
 The budget's memory is allocated once, its pages backed as rows are written. The index is off the heap
-(``ple.io._overlay_index``): a hash index of the rows *in memory* only (counted in the budget); each
+(``ple.io.disk_table.overlay._index``): a hash index of the rows *in memory* only (counted in the budget); each
 segment's ids, sorted in its file, searched where they lie (mapped: file pages, not the process's own
 memory) from in-memory fences (every ``FENCE_EVERY``-th id: 1/16 byte a row); and a bitmap of the ids on
 disk (1 bit per table row: ``table_rows`` sizes it at once, 40 MB at 320M rows, else it grows with the
@@ -39,7 +39,7 @@ hash probes, fence searches and gathers, never a Python loop over the ids. Merge
 `items` stream in chunks of ``CHUNK_BYTES``: the process's own memory stays within ``memory_bytes`` + the
 bitmap + the fences + ``FIXED_BYTES`` (+ the caller's tensors), whatever the rows trained.
 
-Durability (the files: ``ple.io._overlay_files``). `flush` writes the rows changed since the last flush as a
+Durability (the files: ``ple.io.disk_table.overlay._files``). `flush` writes the rows changed since the last flush as a
 new immutable segment and fsyncs it, then switches the manifest (which lists the segments with their sizes,
 checksums and live rows) atomically; files of earlier generations are deleted only after that. The index has
 no file of its own: the bitmap and the fences are rebuilt at open from the segments' ids (read once, as their
@@ -68,11 +68,11 @@ from typing import Any
 
 import torch
 
-from . import _overlay_files as ofiles
-from ._overlay_files import DirLock, Layout
-from ._overlay_index import IdBitmap, merge_sorted
-from ._overlay_memory import MemoryRows
-from .writer import fsync_dir
+from ...writer import fsync_dir
+from . import _files as ofiles
+from ._files import DirLock, Layout
+from ._index import IdBitmap, merge_sorted
+from ._memory import MemoryRows
 
 __all__ = ["OverlayStore", "SLOT_OVERHEAD", "MAX_SEGMENTS", "FENCE_EVERY", "CHUNK_BYTES", "FIXED_BYTES",
            "MEMORY_CONSTANTS"]
@@ -338,7 +338,7 @@ class OverlayStore(MemoryRows):
             seg.check_head()
             seg.verify()
 
-    # ---- updating (`update` and the memory slots: ``_overlay_memory``) ----------------------------------
+    # ---- updating (`update` and the memory slots: ``_memory``) ----------------------------------
     def flush(self, meta: dict[str, Any] | None = None) -> None:
         """Make every update so far durable, with ``meta`` (JSON-able; default: the last flush's) saved with it."""
         self._check_open(write=True)

@@ -1,5 +1,5 @@
-"""The index of an `~ple.io.overlay.OverlayStore`, off the heap: what it keeps in memory is bounded by the memory
-budget or costs a fixed amount per *table* row, never an amount per row trained.
+"""The index of an `~ple.io.disk_table.overlay.OverlayStore`, off the heap: what it keeps in memory is bounded
+by the memory budget or costs a fixed amount per *table* row, never an amount per row trained.
 
 - `SlotIndex`: row id -> memory slot, for the rows held in memory only (an open-addressing hash table sized
   once from the budget, counted in it).

@@ -1,7 +1,7 @@
-"""The segment files of an `~ple.io.overlay.OverlayStore`: finding rows in them (newest first, through the
+"""The segment files of an `~ple.io.disk_table.overlay.OverlayStore`: finding rows in them (newest first, through the
 bitmap and each segment's fences), reading them, writing new ones, retiring old ones, and the merges that keep
 a flush's cost to the rows it changes, streamed in bounded chunks (a mixin of the store; its state and its
-constants live there, see ``ple.io.overlay``)."""
+constants live there, see ``ple.io.disk_table.overlay``)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import _overlay_files as ofiles
-from ._overlay_files import Segment
-from ._overlay_index import IdBitmap, fences_of, find_sorted, merge_sorted
-from .mapped import read_rows
+from ..mapped import read_rows
+from . import _files as ofiles
+from ._files import Segment
+from ._index import IdBitmap, fences_of, find_sorted, merge_sorted
 
 if TYPE_CHECKING:
-    from ._overlay_files import Layout
+    from ._files import Layout
 
 __all__ = ["SegmentFiles"]
 

@@ -1,5 +1,5 @@
-"""The rows an `~ple.io.overlay.OverlayStore` holds in memory: `update`, the budget's slots, their eviction to
-spill files (a mixin of the store; its state and constants live there, see ``ple.io.overlay``).
+"""The rows an `~ple.io.disk_table.overlay.OverlayStore` holds in memory: `update`, the budget's slots, their
+eviction to spill files (a mixin of the store; its state and constants live there, see ``ple.io.disk_table.overlay``).
 
 A slot holds a row's values and state, its id, its last update (a clock tick) and a dirty flag (changed since
 last written to a segment); `SlotIndex` finds a row's slot by id. A row in memory shadows its copies on disk;
@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import torch
 
-from . import _overlay_files as ofiles
-from ._overlay_index import SlotIndex
-from ._overlay_segments import SegmentFiles
+from . import _files as ofiles
+from ._index import SlotIndex
+from ._segments import SegmentFiles
 
 __all__ = ["MemoryRows"]
 

@@ -1,5 +1,5 @@
-"""The files of an overlay directory (`ple.io.overlay.OverlayStore`): its segments, its manifest, its lock; and
-the row `Layout`. (The store's index, off the heap: ``_overlay_index``.)
+"""The files of an overlay directory (`ple.io.disk_table.overlay.OverlayStore`): its segments, its manifest,
+its lock; and the row `Layout`. (The store's index, off the heap: ``_index``.)
 
 A *segment* (``seg-<serial>.safetensors``) is an immutable safetensors file of rows: ``ids`` (int64
 ``[n]``, sorted and distinct: the store searches them where they lie, mapped), ``rows`` (``[n, D]``) and
@@ -16,7 +16,7 @@ one). It carries a CRC-32 of its own body. `write_manifest` writes it to ``manif
 renames it over ``manifest.json`` and fsyncs the directory: the switch from one generation to the next is
 that one rename.
 
-The *lock* (``overlay.lock``, `DirLock`) is in ``_overlay_lock``: one writer at a time, readers shared.
+The *lock* (``overlay.lock``, `DirLock`) is in ``_lock``: one writer at a time, readers shared.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from ._overlay_lock import LOCK, DirLock
-from .files import dtype_name
-from .mapped import MappedFile, map_view
-from .writer import ST_DTYPES, bytes_of, fsync_dir
+from ...files import dtype_name
+from ...writer import ST_DTYPES, bytes_of, fsync_dir
+from ..mapped import MappedFile, map_view
+from ._lock import LOCK, DirLock
 
 __all__ = ["MANIFEST", "LOCK", "Layout", "Segment", "DirLock", "write_segment", "read_manifest",
            "write_manifest", "segment_name", "clean_leftovers", "jsonable", "differences",

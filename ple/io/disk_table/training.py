@@ -1,8 +1,9 @@
-"""Training a table read from disk: the overlay of a `DiskTable` (docs/spec.md section 12; store: ``ple.io.overlay``).
+"""Training a table read from disk: the overlay of a `DiskTable` (docs/spec.md section 12; store:
+``ple.io.disk_table.overlay``).
 
 ``load_layer(path, offload="disk", overlay=DIR)`` gives the `DiskTable` a `TableOverlay`: the checkpoint's
 files stay read only, and the rows a row optimizer (``ple.optim``) changes, with their optimizer state, live
-in an `~ple.io.overlay.OverlayStore` in ``DIR`` (in memory up to ``overlay_bytes``, spilled to files in DIR
+in an `~ple.io.disk_table.overlay.OverlayStore` in ``DIR`` (in memory up to ``overlay_bytes``, spilled to files in DIR
 beyond it, durable at ``layer.table.flush()``; its index off the heap: a bitmap of the table's rows, 1 bit
 each, and the segments' ids searched where they lie on disk).
 
@@ -27,18 +28,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import _checks
-from ..table import Table, row_grad_lookup
-from .files import dtype_name
-from .overlay import OverlayStore
+from ... import _checks
+from ...table import Table, row_grad_lookup
+from ..files import dtype_name
+from .overlay.store import OverlayStore
 
 if TYPE_CHECKING:
     from types import ModuleType
 
-    from ..backends import CustomOps
-    from .disk import DiskTable
-    from .files import Checkpoint
-    from .layout import LayerPlan
+    from ...backends import CustomOps
+    from ..files import Checkpoint
+    from ..layout import LayerPlan
+    from .table import DiskTable
 
 __all__ = ["TableOverlay", "OverlayTraining", "check_overlay_args", "base_fingerprint", "sample_ids", "OVERLAY_BYTES",
            "SAMPLE_ROWS"]
@@ -223,7 +224,7 @@ class OverlayTraining(Table):
 
     @property
     def overlay(self) -> OverlayStore | None:
-        """The store of the rows training changed (``load_layer(..., overlay=DIR)``; ``ple.io.disk_train``),
+        """The store of the rows training changed (``load_layer(..., overlay=DIR)``; ``ple.io.disk_table.training``),
         or None: a table served, not trained."""
         return self._overlay.store if self._overlay is not None else None
 
