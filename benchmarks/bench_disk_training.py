@@ -35,7 +35,8 @@ bfloat16 and converted with ``ple.io.convert``), on the ``"torch"`` backend:
    ``--real-overlay-mib``), in a fresh process so its peak memory is its own: steps/s of the first
    ``--cold-steps`` steps and of the last half, the peak resident memory (``VmHWM``, which counts the file
    pages the process has mapped, and the peak ``RssAnon``, sampled every 10 ms) against the bound: the
-   process before loading + the cache and overlay budgets + the overlay's index + the layer's parameters; then
+   process before loading + the table's budget (``ple.io.disk_table.memory_budget``: row cache, reader threads,
+   overlay, its index and constant) + the layer's parameters + a step's working memory; then
    ``flush()``: its time and the overlay's size on disk.
 5. cold reads: rows read from the files per second during the cold steps (their ``DiskTable._read`` calls
    timed: the reads alone, and over the whole steps) and during the cold lookup-only passes, beside fio's
@@ -81,6 +82,7 @@ import torch
 import ple
 import ple.io as pio
 from ple import PLEConfig
+from ple.io.disk_table import memory_budget
 from ple.io.disk_table.overlay.store import OverlayStore
 from ple.io.disk_table.table import DiskTable
 from ple.io.files import Checkpoint
@@ -545,7 +547,8 @@ def real_child(args) -> dict:
                 "rows_per_s_reading": (rd1[0] - rd0[0]) / max(rd1[1] - rd0[1], 1e-9),
                 "rows_per_s_of_steps": (rd1[0] - rd0[0]) / sec}
 
-    bound = base_anon + cache + overlay + st_after["index_bytes"] + params + working
+    budget = memory_budget(table, rows_on_disk=st_after["rows"])        # ple.io.disk_table.budget: every part
+    bound = base_anon + budget.total + params + working
     out = {"rows": table.num_rows, "load_s": load_s, "steps": n, "cold": phase(0, k), "steady": phase(n - tail, n),
            "all": phase(0, n), "step_ms": [t * 1e3 for t in times],
            "flush": {"seconds": flush_s, "rows": st_before["rows"], "bytes_written": st_after["bytes_written"]
@@ -554,7 +557,8 @@ def real_child(args) -> dict:
                       "peak_rss_anon": sampler.peak_anon,
                       "peak_rss_file": sampler.peak_file, "vmhwm": hwm, "cache_bytes": cache, "overlay_bytes": overlay,
                       "index_bytes": st_after["index_bytes"], "layer_params_bytes": params,
-                      "step_working_bytes": working, "bound": bound, "within_bound": sampler.peak_anon <= bound,
+                      "step_working_bytes": working, "budget": budget.as_dict(), "bound": bound,
+                      "within_bound": sampler.peak_anon <= bound,
                       "rss_anon_after_step": {f"{j + 1}": anon[j] for j in sorted({max(0, n * q // 4 - 1)
                                                                                    for q in (1, 2, 3, 4)})}},
            "lookup_cold": lookup}
@@ -809,8 +813,8 @@ def report(args, res: dict) -> str:
         verdict = f"within, {margin:,.0f} MiB below" if margin >= 0 else f"**over** by {-margin:,.0f} MiB"
         L += ["", f"Memory: peak RssAnon {m['peak_rss_anon'] / gib:.2f} GiB against the bound "
               f"{m['bound'] / gib:.2f} GiB ({verdict}: the bare process "
-              f"{m['baseline_rss_anon'] / gib:.2f} + row cache {m['cache_bytes'] / gib:.2f} + overlay "
-              f"{m['overlay_bytes'] / gib:.2f} + overlay index {m['index_bytes'] / gib:.2f} + layer parameters "
+              f"{m['baseline_rss_anon'] / gib:.2f} + the table's budget {m['budget']['total'] / gib:.2f} (" + ", ".join(
+                  f"{k} {v / gib:.3f}" for k, v in m["budget"].items() if k != "total") + ") + layer parameters "
               f"{m['layer_params_bytes'] / gib:.3f} + a step's working memory {m['step_working_bytes'] / gib:.2f}, "
               f"measured on a small in-memory layer); RssAnon after steps " + ", ".join(
                   f"{k}: {v / gib:.2f}" for k, v in m["rss_anon_after_step"].items()) + f" GiB; "

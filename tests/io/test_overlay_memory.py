@@ -7,16 +7,14 @@ per extra row trained (the fences: 1/16 byte a row). Measured in a fresh process
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import json
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 import torch
+from _memory import Sampler, rss_anon
 
 from ple.io.disk_table.overlay.store import FENCE_EVERY, FIXED_BYTES, OverlayStore
 
@@ -24,37 +22,6 @@ pytestmark = pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="
 
 D = 16
 STATE = {"sum": ((), torch.float32)}
-
-
-def rss_anon(trim: bool = False) -> int:
-    """The process's RssAnon; ``trim``: after handing freed heap back (glibc's ``malloc_trim``), so that what is
-    measured is memory held, not the allocator's keeping of freed temporaries (up to tens of MB, whose size
-    depends on the order of allocations, not on the rows trained)."""
-    if trim:
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon")
-
-
-class Sampler:
-    """The highest RssAnon seen, sampled every millisecond by a thread (inside flushes and merges too)."""
-
-    def __init__(self) -> None:
-        self.peak, self._stop = rss_anon(), threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.001):
-            self.peak = max(self.peak, rss_anon())
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return max(self.peak, rss_anon())
 
 
 def child(directory: str, budget: int, step_rows: int, steps: int, flush_every: int, marks: list[int]) -> dict:
@@ -93,7 +60,8 @@ def child(directory: str, budget: int, step_rows: int, steps: int, flush_every: 
 
 
 def run_child(tmp_path: Path, **kw) -> dict:
-    code = (f"import json, sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+    here = Path(__file__).parent
+    code = (f"import json, sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; "
             f"import test_overlay_memory as t; print(json.dumps(t.child({str(tmp_path / 'ov')!r}, **{kw!r})))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=1800)
     assert out.returncode == 0, out.stderr[-4000:]

@@ -12,17 +12,21 @@ serves and trains a table from them without holding it in memory. Its parts:
 * ``training``: `TableOverlay` / `OverlayTraining`, a row optimizer's steps through the overlay
   (``load_layer(..., overlay=DIR)``), and the base's fingerprint an overlay is tied to;
 * ``overlay``: `OverlayStore`, the trained rows and their state: in memory up to a budget, spilled to
-  segment files beyond it, its index off the heap, durable at ``flush()``.
+  segment files beyond it, its index off the heap, durable at ``flush()``;
+* ``budget``: every memory budget in one place: `memory_budget` of a table (row cache, scales, reader
+  threads, overlay, its index and constant), `merge_budget`, `MEMORY_CONSTANTS`.
 
 (Before this package these lived beside the checkpoint files as ``ple.io.disk``, ``ple.io.row_cache``,
 ``ple.io.mapped``, ``ple.io.disk_train`` and ``ple.io.overlay``; those paths still work for a release and
 warn.)
 """
 
+from .budget import MEMORY_CONSTANTS, MemoryBudget, memory_budget, merge_budget
 from .overlay import OverlayStore
 from .row_cache import CACHE_WAYS, RowCache
 from .table import DISK_CACHE_BYTES, READ_DEPTH, READ_THREADS, DiskTable
 from .training import OVERLAY_BYTES, OverlayTraining, TableOverlay
 
 __all__ = ["DiskTable", "RowCache", "OverlayStore", "OverlayTraining", "TableOverlay", "DISK_CACHE_BYTES",
-           "OVERLAY_BYTES", "CACHE_WAYS", "READ_DEPTH", "READ_THREADS"]
+           "OVERLAY_BYTES", "CACHE_WAYS", "READ_DEPTH", "READ_THREADS", "MemoryBudget", "memory_budget",
+           "merge_budget", "MEMORY_CONSTANTS"]

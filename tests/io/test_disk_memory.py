@@ -1,0 +1,137 @@
+"""A whole disk layer's memory (``ple.io.disk_table.budget``): a layer whose table stays in its files, trained with
+``RowwiseAdagrad`` through an overlay far past the overlay's budget, holds at most its baseline + the stated
+budget (`memory_budget`: row cache, reader threads, overlay, its index and constant) + its other parameters
+and their state + the step's own tensors (measured on the same steps with the table in memory), at every
+moment: lookups, optimizer steps, spills, the final flush; and `merge` of the base and the overlay stays within
+`merge_budget`. Measured in a fresh process (``RssAnon``, sampled every millisecond).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _memory import HAS_PROC, Sampler, rss_anon
+
+import ple
+import ple.io as pio
+from ple.io.disk_table import memory_budget, merge_budget
+from ple.testing.layers import random_layer
+
+pytestmark = pytest.mark.skipif(not HAS_PROC, reason="needs /proc/self/status")
+
+
+def config(rows_per_head: int) -> ple.PLEConfig:
+    """The tiny preset (D 4, 6 heads, hidden 2 x 24) with ``rows_per_head`` rows a head."""
+    return ple.PLEConfig(**{**ple.PLEConfig.preset("tiny").to_dict(), "ngram_vocab_size_base": rows_per_head,
+                            "ple_layer_ids": [1]})
+
+
+def batch(cfg: ple.PLEConfig, tokens: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tokens (nearly every n-gram new: a step trains about ``tokens x heads`` new rows)."""
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, cfg.vocab_size, (4, tokens // 4), generator=g)
+    return torch.randn(4, tokens // 4, cfg.hc_hidden_size, generator=g).to(torch.bfloat16), ids
+
+
+def train(layer: torch.nn.Module, cfg: ple.PLEConfig, tokens: int, steps: range, marks: dict | None = None) -> None:
+    """``RowwiseAdagrad`` on the table, ``Adam`` on the rest; ``marks``: at its step numbers, ``(rows trained,
+    RssAnon trimmed)`` after that step."""
+    table = ple.optim.RowwiseAdagrad(layer, lr=0.05)
+    rest = torch.optim.Adam(ple.optim.other_parameters(layer), lr=1e-4)
+    for i in steps:
+        layer(*batch(cfg, tokens, i)).float().square().mean().backward()
+        table.step()
+        rest.step()
+        table.zero_grad()
+        rest.zero_grad()
+        if marks is not None and i in marks:
+            marks[i] = (layer.table.overlay.num_rows, rss_anon(trim=True))
+
+
+def child(path: str, work: str, *, cache_bytes: int, overlay_bytes: int, tokens: int, steps: int,
+          block_bytes: int) -> dict:
+    """In a fresh process: the step's working memory (the peak over 3 steps of a layer of the same widths with a
+    small table in memory, after 3 steps that pay torch's one-time costs), then ``steps`` steps of the disk layer,
+    its final flush and close, then `merge`; each phase's peak RssAnon against its bound, and the memory held
+    (trimmed) after a third of the steps and after the last, against the rows trained."""
+    cfg = config(1000)
+    small = random_layer(cfg, dtype=torch.bfloat16)
+    params = sum(p.numel() * p.element_size() * 3 for p in ple.optim.other_parameters(small))   # + Adam's 2
+    train(small, cfg, tokens, range(3))                  # torch's one-time costs first (thread pools, kernels)
+    base = rss_anon(trim=True)
+    sampler = Sampler()
+    train(small, cfg, tokens, range(3, 6))
+    working = max(0, sampler.stop() - base)
+    del small
+    gc.collect()
+
+    base = rss_anon(trim=True)
+    sampler = Sampler()
+    layer = pio.load_layer(path, dtype=torch.bfloat16, offload="disk", cache_bytes=cache_bytes,
+                           overlay=f"{work}/ov", overlay_bytes=overlay_bytes)
+    cfg = layer.config
+    marks = {steps // 3: None, steps - 1: None}
+    with layer:
+        train(layer, cfg, tokens, range(steps), marks)
+        store = layer.table.overlay
+        budget = memory_budget(layer.table, rows_on_disk=layer.table.num_rows)
+        stats, table_rows = store.stats(), layer.table.num_rows
+    peak = sampler.stop() - base                                      # the final flush (leaving `with`) included
+    del layer, store
+    gc.collect()
+
+    base_merge = rss_anon(trim=True)
+    sampler = Sampler()
+    pio.merge(path, f"{work}/ov", f"{work}/merged", block_bytes=block_bytes)
+    merge_peak = sampler.stop() - base_merge
+    (n0, m0), (n1, m1) = marks[steps // 3], marks[steps - 1]
+    return {"peak": peak, "bound": budget.total + params + working, "budget": budget.as_dict(),
+            "working": working, "params": params, "stats": stats, "table_rows": table_rows,
+            "growth_per_row": (m1 - m0) / (n1 - n0), "rows_at_marks": [n0, n1],
+            "merge_peak": merge_peak, "merge_bound": merge_budget(table_rows, stats["rows"], block_bytes)}
+
+
+def run_child(tmp_path: Path, rows_per_head: int, **kw) -> dict:
+    cfg = config(rows_per_head)
+    pio.save(random_layer(cfg, dtype=torch.bfloat16), tmp_path / "model")
+    here = Path(__file__).parent
+    code = (f"import json, sys; sys.path[:0] = [{str(here)!r}, {str(here.parent)!r}]; import test_disk_memory as t; "
+            f"print(json.dumps(t.child({str(tmp_path / 'model')!r}, {str(tmp_path)!r}, **{kw!r})))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3000)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def check(r: dict, times: float, max_growth: float) -> None:
+    st = r["stats"]
+    capacity = st["capacity_rows"]
+    assert st["rows"] >= times * capacity and st["spilled_rows"] > 0, (st["rows"], capacity)   # far past it
+    assert r["peak"] <= r["bound"], (r["peak"], r["bound"], r["budget"], r["working"])
+    assert r["growth_per_row"] <= max_growth, r
+    assert r["merge_peak"] <= r["merge_bound"], (r["merge_peak"], r["merge_bound"])
+
+
+def test_a_disk_layer_trained_past_its_overlay_stays_within_its_budget(tmp_path):
+    """1.8M table rows, a 2 MiB overlay (about 19k rows) and 0.2M rows trained; a 2 MiB row cache."""
+    r = run_child(tmp_path, 300_000, cache_bytes=2 << 20, overlay_bytes=2 << 20, tokens=2048, steps=16,
+                  block_bytes=4 << 20)
+    check(r, times=5, max_growth=8.0)
+
+
+@pytest.mark.deep
+def test_a_disk_layer_trained_for_millions_of_rows_stays_within_its_budget(tmp_path):
+    """12M table rows, a 16 MiB overlay (about 150k rows) and about 3M rows trained; a 16 MiB row cache."""
+    r = run_child(tmp_path, 2_000_000, cache_bytes=16 << 20, overlay_bytes=16 << 20, tokens=8192, steps=64,
+                  block_bytes=16 << 20)
+    check(r, times=15, max_growth=2.0)
+
+
+if __name__ == "__main__":              # python tests/io/test_disk_memory.py DIR: the deep case, printed
+    print(json.dumps(run_child(Path(sys.argv[1]), 2_000_000, cache_bytes=16 << 20, overlay_bytes=16 << 20,
+                               tokens=8192, steps=64, block_bytes=16 << 20), indent=1))
