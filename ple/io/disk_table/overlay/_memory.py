@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from .._heap import release_freed
 from . import _files as ofiles
 from ._index import SlotIndex
 from ._segments import SegmentFiles
@@ -125,4 +126,5 @@ class MemoryRows(SegmentFiles):
         self._counts["spilled_rows"] += n
         if len(self._segments) > self.max_segments:      # else merged at the next flush, not inside a step
             self._maybe_merge()
+        release_freed()                                  # the spill's chunks: freed heap back to the kernel
 

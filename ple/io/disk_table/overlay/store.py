@@ -69,6 +69,7 @@ from typing import Any
 import torch
 
 from ...writer import fsync_dir
+from .._heap import release_freed
 from . import _files as ofiles
 from ._files import DirLock, Layout
 from ._index import IdBitmap, merge_sorted
@@ -97,9 +98,10 @@ FIXED_BYTES = 64 << 20
 """The stated constant: the process's anonymous memory the store may take beyond ``memory_bytes``, the bitmap
 (``table_rows / 8``) and the fences (``8 / FENCE_EVERY`` a row on disk), whatever the rows trained: a few
 ``CHUNK_BYTES`` of chunks in flight (a merge's ids, sources and positions, the rows read and written), the
-bookkeeping of up to ``MAX_SEGMENTS`` segments, and what the C allocator keeps of freed temporaries (glibc
-serves blocks up to 32 MiB from its heap once such blocks were freed, and keeps them). The caller's tensors
-(a step's ids and rows) are not counted. Checked: tests/io/test_overlay_memory.py."""
+bookkeeping of up to ``MAX_SEGMENTS`` segments, and what the C allocator keeps of freed temporaries (glibc serves
+blocks up to 32 MiB from its heap once such blocks were freed, and keeps them; the store hands whole free pages back
+after each spill and flush, ``ple.io.disk_table._heap``, so what it keeps does not pile up). The caller's tensors (a
+step's ids and rows) are not counted. Checked: tests/io/test_overlay_memory.py."""
 
 MEMORY_CONSTANTS = {"SLOT_OVERHEAD": SLOT_OVERHEAD, "FENCE_EVERY": FENCE_EVERY, "CHUNK_BYTES": CHUNK_BYTES,
                     "MAX_SEGMENTS": MAX_SEGMENTS, "FIXED_BYTES": FIXED_BYTES}
@@ -366,6 +368,7 @@ class OverlayStore(MemoryRows):
             path.unlink(missing_ok=True)
         self._doomed = []
         self._counts["flushes"] += 1
+        release_freed()                                  # the flush's and merges' chunks: heap back to the kernel
 
     # ---- sizes --------------------------------------------------------------------------------------------
     @property
