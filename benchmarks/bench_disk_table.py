@@ -295,44 +295,72 @@ def time_layer(layer: PLELayer, mode: str, cfg: PLEConfig, steps: int, batch: in
 
 def cold_reads(args, paths: dict[str, Path], served: dict[str, dict]) -> str:
     """``--cold-reads``: per table, rounds of fio (random 4 KiB reads, queue depth 32, direct I/O where the file
-    system allows, else buffered with the pages dropped first) then 6 cold gathers of distinct random rows (the
-    files' pages dropped before each, no row cache); rows/s over the gathers' time against fio's IOPS, both
-    summed over the rounds, and how much the gathers grew the process's mapped file pages (RssFile)."""
+    system allows, else buffered with the pages dropped first) then 6 cold gathers of distinct random rows per
+    read path (the files' pages dropped before each, no row cache; the paths interleaved gather by gather:
+    ``ring``, the ``io_uring`` where the kernel allows it, and ``threads``, the reader threads, ``PLE_READS``);
+    rows/s over the gathers' time against fio's IOPS, both summed over the rounds, the process's CPU time per
+    row read (all its threads, the kernel's work for it included: the load-independent cost), and how much the
+    gathers grew the process's mapped file pages (RssFile). The load average is printed with each round (a shared
+    machine)."""
     from bench_disk_training import _fio, drop_files  # here: it imports this module
 
-    lines = ["| table | round | fio qd 32 IOPS | cold rows/s | / fio | RssFile growth |",
-             "|---|---|---:|---:|---:|---:|"]
+    from ple.io import _uring
+
+    modes = ["ring", "threads"] if _uring.available() else ["threads"]
+    if not _uring.available():
+        print(f"no io_uring here ({_uring.why_not()}): the reader threads only")
+    lines = ["| table | round | load avg | fio qd 32 IOPS | "
+             + " | ".join(f"{m} rows/s | / fio | CPU us/row" for m in modes)
+             + " | RssFile growth |", "|---|---|---:|---:|" + "---:|---:|---:|" * len(modes) + "---:|"]
     gen = torch.Generator().manual_seed(3)
+    before = os.environ.get("PLE_READS")
     for name, path in paths.items():
         table = pio.load_layer(path, offload="disk", cache_bytes=0, backend="torch").table
         assert isinstance(table, DiskTable)
         files = [Path(f) for f in table.files]
-        rec = served[name]["cold_reads"] = {"rows": args.cold_reads, "rounds": []}
-        for r in range(args.cold_rounds):
-            job = dict(rw="randread", bs="4k", iodepth=32, time_based=1, readonly=True)
-            for direct, engine in ((1, "io_uring"), (1, "libaio"), (0, "io_uring")):
-                try:
-                    drop_files(files)
-                    iops = _fio(":".join(map(str, files)), None, 5, direct, engine, job)["iops"]
-                    break
-                except RuntimeError:
-                    continue
-            seconds, rss = 0.0, _kib_field("/proc/self/status", "RssFile")
-            for _ in range(6):
-                ids = torch.randperm(table.num_rows, generator=gen)[: args.cold_reads].view(-1, 1)
-                table.drop_page_cache()
-                t0 = time.perf_counter()
-                table.gather(ids)
-                seconds += time.perf_counter() - t0
-            rate = 6 * ids.numel() / seconds
-            growth = _kib_field("/proc/self/status", "RssFile") - rss
-            rec["rounds"].append({"fio_iops": iops, "fio": f"direct={direct} {engine}", "rows_per_s": rate,
-                                  "rss_file_growth": growth})
-            lines.append(f"| {name} | {r + 1} | {iops:,.0f} | {rate:,.0f} | {rate / iops:.2f} | "
-                         f"{growth / 2**20:.1f} MiB |")
-        total = sum(x["rows_per_s"] for x in rec["rounds"]) / sum(x["fio_iops"] for x in rec["rounds"])
-        rec["ratio"] = total
-        lines.append(f"| {name} | all | | | {total:.2f} | |")
+        rec = served[name]["cold_reads"] = {"rows": args.cold_reads, "rounds": [], "modes": modes}
+        try:
+            for r in range(args.cold_rounds):
+                job = dict(rw="randread", bs="4k", iodepth=32, time_based=1, readonly=True)
+                for direct, engine in ((1, "io_uring"), (1, "libaio"), (0, "io_uring")):
+                    try:
+                        drop_files(files)
+                        iops = _fio(":".join(map(str, files)), None, 5, direct, engine, job)["iops"]
+                        break
+                    except RuntimeError:
+                        continue
+                seconds, rss = dict.fromkeys(modes, 0.0), _kib_field("/proc/self/status", "RssFile")
+                cpu = dict.fromkeys(modes, 0.0)
+                for _ in range(6):
+                    for mode in modes:
+                        os.environ["PLE_READS"] = mode
+                        ids = torch.randperm(table.num_rows, generator=gen)[: args.cold_reads].view(-1, 1)
+                        table.drop_page_cache()
+                        t0, c0 = time.perf_counter(), time.process_time()
+                        table.gather(ids)
+                        seconds[mode] += time.perf_counter() - t0
+                        cpu[mode] += time.process_time() - c0
+                rates = {m: 6 * args.cold_reads / seconds[m] for m in modes}
+                cpu_us = {m: cpu[m] / (6 * args.cold_reads) * 1e6 for m in modes}
+                growth = _kib_field("/proc/self/status", "RssFile") - rss
+                load = os.getloadavg()[0]
+                rec["rounds"].append({"fio_iops": iops, "fio": f"direct={direct} {engine}", "load_avg": load,
+                                      "rows_per_s": rates[modes[0]], "rows_per_s_by_mode": rates,
+                                      "cpu_us_per_row_by_mode": cpu_us,
+                                      "rss_file_growth": growth})
+                lines.append(f"| {name} | {r + 1} | {load:.1f} | {iops:,.0f} | "
+                             + " | ".join(f"{rates[m]:,.0f} | {rates[m] / iops:.2f} | {cpu_us[m]:.1f}" for m in modes)
+                             + f" | {growth / 2**20:.1f} MiB |")
+                print(lines[-1], flush=True)
+        finally:
+            if before is None:
+                os.environ.pop("PLE_READS", None)
+            else:
+                os.environ["PLE_READS"] = before
+        fio_sum = sum(x["fio_iops"] for x in rec["rounds"])
+        ratios = {m: sum(x["rows_per_s_by_mode"][m] for x in rec["rounds"]) / fio_sum for m in modes}
+        rec["ratio"], rec["ratio_by_mode"] = ratios[modes[0]], ratios
+        lines.append(f"| {name} | all | | | " + " | ".join(f"| {ratios[m]:.2f} |" for m in modes) + " |")
         table.close()
     return "\n".join(lines)
 

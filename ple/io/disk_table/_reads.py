@@ -1,39 +1,54 @@
 """Row reads at the device's queue depth, for `ple.io.DiskTable`: `pread_rows`.
 
 A cold row read waits on the disk (a random 4 KiB read: tens to hundreds of microseconds), and a disk serves
-many such reads at once: its IOPS grow with the requests in flight (its queue depth). `pread_rows` keeps
-`READ_DEPTH` positional reads in flight: the rows' byte ranges are sorted by file and offset, neighbouring
-rows are coalesced into one request (rows whose bytes lie in the same or adjacent 4 KiB pages of one file:
-the kernel reads those pages anyway), and `READ_DEPTH` reader threads each take the next request and read it
-with ``os.preadv``, which releases the GIL while it waits, into memory the call owns: a request of one row
+many such reads at once: its IOPS grow with the requests in flight (its queue depth). `pread_rows` sorts the
+rows' byte ranges by file and offset and coalesces neighbouring rows into one request (rows whose bytes lie in
+the same or adjacent 4 KiB pages of one file: the kernel reads those pages anyway); a request of one row is read
 straight into its row of ``out``, a coalesced run into a scratch buffer its rows are then copied out of (one
-``index_copy_``). So the bytes are the file's bytes, exactly, whatever the dtype.
+``index_copy_``). So the bytes are the file's bytes, exactly, whatever the dtype. The requests are read
+
+* through an ``io_uring`` (``ple.io.disk_table._uring``), where the kernel allows one: the whole batch's requests
+  built at once as records, `RING_DEPTH` in flight from the calling thread, refilled every `RING_BATCH` completions, so
+  the Python work is per a dozen or so requests, not per request (on a machine of two cores, the reader threads'
+  Python, not the disk, limited the cold reads: ``docs/disk.md``). Buffered reads of the table's own
+  descriptors: the page cache serves the pages it holds, as ``preadv`` does;
+* else (a kernel or seccomp filter that refuses ``io_uring_setup``, no ring to be had for a batch, or
+  ``PLE_READS=threads``) by `READ_DEPTH` reader threads, each taking the next request and reading it with
+  ``os.preadv``, which releases the GIL while it waits.
+
+Either way into memory the call owns, and either way the calling thread can be a prefetch's (the ring's wait
+releases the GIL too).
 
 Why not the memory maps: a mapped read faults one page at a time in the reading thread (so only as many
 reads are in flight as threads fault), and every page it touches counts in the process's resident memory
-(``RssFile``: 17 GB of a 47.7 GB table's pages, measured) until the kernel takes it back. A ``pread`` copies
+(``RssFile``: 17 GB of a 47.7 GB table's pages, measured) until the kernel takes it back. A read copies
 the row out of the page cache into the process's own buffer and maps nothing: the file's pages stay the page
-cache's, not the process's. (Why not ``io_uring``: the standard library has no binding; a pool of threads
-doing ``preadv`` reaches the disk's queue depth; see ``docs/disk.md`` for the numbers.)
+cache's, not the process's. (Why not ``O_DIRECT`` and Linux's native AIO: its reads skip the page cache, so a
+page the cache holds would be read from the disk again; buffered native AIO waits in ``io_submit``.)
 
 A file that ends before a row's bytes (truncated while being read, after the caller's size check) gives a
-short read: a ``ValueError`` naming the file, never garbage or a crash. ``MappedFile`` sets
-``POSIX_FADV_RANDOM`` on its descriptor, so a row read brings in its pages and no readahead around them.
+short read: a ``ValueError`` naming the file, never garbage or a crash (a request the ring read short is read
+again with ``preadv``, which tells a cut file from a partial read). ``MappedFile`` sets ``POSIX_FADV_RANDOM`` on
+its descriptor, so a row read brings in its pages and no readahead around them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Protocol
 
+import numpy as np
 import torch
 
-__all__ = ["READ_DEPTH", "PAGE", "MAX_RUN_BYTES", "pread_rows"]
+from . import _uring
+
+__all__ = ["READ_DEPTH", "RING_DEPTH", "RING_BATCH", "PAGE", "MAX_RUN_BYTES", "pread_rows"]
 
 READ_DEPTH = 64
 """Positional reads a cold gather keeps in flight (reader threads). A disk reaches its random-read IOPS at a
@@ -46,6 +61,13 @@ PAGE = 4096
 MAX_RUN_BYTES = 256 << 10
 """A coalesced request never crosses a boundary of this many bytes in its file (so one request is at most
 this plus a row: a dense gather is still read by many threads)."""
+
+RING_DEPTH = 64
+"""Requests in flight through the ``io_uring`` (``ple.io.disk_table._uring``): as many as the reader threads keep."""
+
+RING_BATCH = 16
+"""The ring is refilled each time this many of its requests have completed: at least ``RING_DEPTH - RING_BATCH``
+stay in flight, and the Python work (a submission, the completions copied out) is per this many requests."""
 
 _INLINE = 2                        # requests at most read in the calling thread (no hand-off to the pool)
 
@@ -105,8 +127,9 @@ def plan_runs(file_of: torch.Tensor, offsets: torch.Tensor, row_bytes: int
 
 def pread_rows(files: Sequence[_File], file_of: torch.Tensor, offsets: torch.Tensor, row_bytes: int,
                out: torch.Tensor, *, what: str | Sequence[str] = "rows") -> None:
-    """``out`` row i = the ``row_bytes`` bytes at ``offsets[i]`` of ``files[file_of[i]]``, read with up to
-    `READ_DEPTH` ``preadv`` requests in flight, neighbouring rows coalesced (module docstring).
+    """``out`` row i = the ``row_bytes`` bytes at ``offsets[i]`` of ``files[file_of[i]]``, read with `RING_DEPTH`
+    requests in flight through an ``io_uring`` (else `READ_DEPTH` ``preadv`` reader threads), neighbouring rows
+    coalesced (module docstring).
 
     ``out``: a contiguous CPU tensor of ``len(offsets) * row_bytes`` bytes (any dtype and shape; written as
     bytes). ``what`` names the rows in errors (a tensor's key; or one name per file). A short read (the file
@@ -122,32 +145,22 @@ def pread_rows(files: Sequence[_File], file_of: torch.Tensor, offsets: torch.Ten
     first = order.index_select(0, starts)                       # each run's first row (an index into out)
     run_off = offsets.index_select(0, first)
     run_len = offsets.index_select(0, order.index_select(0, starts + counts - 1)) - run_off + row_bytes
-    run_file = file_of.index_select(0, first).tolist()
-    fds = [files[k].fd for k in range(len(files))]
-    # A run of one row is read straight into its row of out (view 0); longer runs into a scratch buffer (view 1),
-    # one after the other, their rows copied into out after.
+    run_file = file_of.index_select(0, first)
+    # A run of one row is read straight into its row of out (buffer 0); longer runs into a scratch buffer
+    # (buffer 1), one after the other, their rows copied into out after.
     single = counts == 1
-    dest = (first * row_bytes).tolist()
-    kind = [0] * len(dest)
+    dest = first * row_bytes
+    kind = torch.zeros_like(dest)
     scratch = None
     if not bool(single.all()):
         multi = (~single).nonzero().squeeze(1)
         lens_m = run_len.index_select(0, multi)
         at = torch.cumsum(lens_m, 0) - lens_m
         scratch = torch.empty(int(lens_m.sum()), dtype=torch.uint8)
-        for j, w in zip(multi.tolist(), at.tolist(), strict=True):
-            dest[j], kind[j] = w, 1
+        dest.index_copy_(0, multi, at)
+        kind.index_fill_(0, multi, 1)
     rows = out.view(-1).view(torch.uint8).view(n, row_bytes)
-    views = [rows.view(-1).numpy().data] + ([scratch.numpy().data] if scratch is not None else [])
-    try:
-        _run_requests([fds[k] for k in run_file], run_off.tolist(), run_len.tolist(), views, kind, dest, files,
-                      run_file, what)
-    finally:
-        for v in views:
-            try:
-                v.release()
-            except BufferError:                                 # interrupted while readers hold slices of it
-                pass
+    _read_runs(files, run_file, run_off, run_len, [rows, scratch], kind, dest, what)
     if scratch is not None:                                     # the rows of the longer runs, into their places
         where = torch.zeros(starts.numel(), dtype=torch.int64)
         where.index_copy_(0, multi, at // row_bytes)
@@ -158,14 +171,77 @@ def pread_rows(files: Sequence[_File], file_of: torch.Tensor, offsets: torch.Ten
             0, offsets.index_select(0, r) // row_bytes + run_of[in_multi]))
 
 
+def _ring_wanted() -> bool:
+    """Whether a batch goes through an ``io_uring`` (`RING_DEPTH` in flight from one thread): where the kernel
+    allows it and ``PLE_READS`` is not ``threads`` (which keeps the reader threads: for comparisons and tests)."""
+    return os.environ.get("PLE_READS", "") != "threads" and _uring.available()
+
+
+def _read_runs(files: Sequence[_File], run_file: torch.Tensor, run_off: torch.Tensor, run_len: torch.Tensor,
+               buffers: list[torch.Tensor | None], kind: torch.Tensor, dest: torch.Tensor,
+               what: str | Sequence[str]) -> None:
+    """Request j: ``run_len[j]`` bytes at ``run_off[j]`` of ``files[run_file[j]]`` into ``buffers[kind[j]]`` at
+    byte ``dest[j]``, for every j: through an ``io_uring`` where allowed (`_ring_wanted`), else (or where the
+    ring cannot be made) by the reader threads. A request the ring read short is read again with ``preadv``
+    (a file cut: the short read's error; else the rest); a failed one is a ``ValueError`` naming the file."""
+    m = run_off.numel()
+    fds_all = [files[k].fd for k in range(len(files))]
+    failures: list[tuple[int, int, BaseException | None]] = []
+    if m > _INLINE and _ring_wanted():
+        base = torch.tensor([b.data_ptr() if b is not None else 0 for b in buffers], dtype=torch.int64)
+        addrs = (base.index_select(0, kind) + dest).numpy()
+        lens = run_len.numpy()
+        try:
+            res = _uring.ring_reads(torch.tensor(fds_all, dtype=torch.int64).index_select(0, run_file).numpy(),
+                                    run_off.numpy(), lens, addrs, RING_DEPTH, RING_BATCH).res
+        except OSError:
+            res = None                                   # no ring to be had now (memory, descriptors): the threads
+        if res is not None:
+            bad = np.flatnonzero(res != lens)
+            if not bad.size:
+                return
+            fds, offs, lens_l, kinds, dests = _as_lists(fds_all, run_file, run_off, run_len, kind, dest)
+            again = [j for j in bad.tolist() if res[j] >= 0]     # short: read again, whole, as the threads do
+            if again:
+                with _views(buffers) as views:
+                    _reader(fds, offs, lens_l, views, kinds, dests, iter(again).__next__, m, failures)
+            failures += [(j, 0, OSError(-int(res[j]), os.strerror(-int(res[j])))) for j in bad.tolist() if res[j] < 0]
+            _raise_first(failures, files, offs, lens_l, run_file.tolist(), what)
+            return
+    fds, offs, lens_l, kinds, dests = _as_lists(fds_all, run_file, run_off, run_len, kind, dest)
+    with _views(buffers) as views:
+        _run_requests(fds, offs, lens_l, views, kinds, dests, failures)
+    _raise_first(failures, files, offs, lens_l, run_file.tolist(), what)
+
+
+def _as_lists(fds_all: list[int], run_file: torch.Tensor, run_off: torch.Tensor, run_len: torch.Tensor,
+              kind: torch.Tensor, dest: torch.Tensor) -> tuple[list[int], ...]:
+    """The requests as the reader threads take them: ``fds, offs, lens, kind, dest`` (lists)."""
+    return ([fds_all[k] for k in run_file.tolist()], run_off.tolist(), run_len.tolist(), kind.tolist(),
+            dest.tolist())
+
+
+@contextlib.contextmanager
+def _views(buffers: list[torch.Tensor | None]) -> Iterator[list[memoryview]]:
+    """The buffers' bytes as memoryviews (for ``preadv``), released after."""
+    views = [b.view(-1).view(torch.uint8).numpy().data for b in buffers if b is not None]
+    try:
+        yield views
+    finally:
+        for v in views:
+            try:
+                v.release()
+            except BufferError:                                 # interrupted while readers hold slices of it
+                pass
+
+
 def _run_requests(fds: list[int], offs: list[int], lens: list[int], views: list[memoryview], kind: list[int],
-                  dest: list[int], files: Sequence[_File], file_index: list[int], what: str | Sequence[str]) -> None:
+                  dest: list[int], failures: list[tuple[int, int, BaseException | None]]) -> None:
     """Request j's ``lens[j]`` bytes at ``offs[j]`` of ``fds[j]`` into ``views[kind[j]]`` at ``dest[j]``, for every
     j: up to `READ_DEPTH` in flight, each reader thread taking the next request as it finishes one. (The reader
     threads allocate nothing but small objects: a buffer of their own would come from a malloc arena per
     thread, which keeps what it freed.)"""
     m = len(offs)
-    failures: list[tuple[int, int, BaseException | None]] = []
     if m <= _INLINE:
         _reader(fds, offs, lens, views, kind, dest, iter(range(m)).__next__, m, failures)
     else:
@@ -176,6 +252,11 @@ def _run_requests(fds: list[int], offs: list[int], lens: list[int], views: list[
         wait(futures)                                       # every reader done with the buffer, then
         for f in futures:
             f.result()                                      # (an unexpected error: raised as it is)
+
+
+def _raise_first(failures: list[tuple[int, int, BaseException | None]], files: Sequence[_File], offs: list[int],
+                 lens: list[int], file_index: list[int], what: str | Sequence[str]) -> None:
+    """The first failed request (by its place in the sorted requests) as a ``ValueError`` naming its file."""
     if failures:
         j, done, err = min(failures, key=lambda t: t[0])
         path = files[file_index[j]].path

@@ -107,7 +107,7 @@ def memory_budget(table: DiskTable, *, rows_on_disk: int | None = None) -> Memor
         on_disk = st["rows"] if rows_on_disk is None else rows_on_disk
         overlay = store.capacity * (store.layout.row_bytes + store.slot_overhead)      # <= overlay_bytes
         index, constant = _index_bytes(table.num_rows, on_disk), FIXED_BYTES
-    return MemoryBudget(row_cache=table.stats()["cache_bytes"], scales=scales, reader_threads=READER_BYTES,
+    return MemoryBudget(row_cache=int(table.stats()["cache_bytes"]), scales=scales, reader_threads=READER_BYTES,
                         overlay=overlay, overlay_index=index, overlay_constant=constant)
 
 

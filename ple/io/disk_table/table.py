@@ -348,7 +348,7 @@ class DiskTable(OverlayTraining):
 
     def _read(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of sorted distinct ids from the files, ``[n, units]``: each file checked first, then the rows read
-        with ``READ_DEPTH`` positional reads in flight into a buffer of this call
+        with 64 positional reads in flight (an ``io_uring``, else reader threads) into a buffer of this call
         (``ple.io.disk_table._reads.pread_rows``)."""
         out = torch.empty((ids.numel(), self._units), dtype=self._unit)
         if not ids.numel():
