@@ -304,7 +304,7 @@ def cold_reads(args, paths: dict[str, Path], served: dict[str, dict]) -> str:
     machine)."""
     from bench_disk_training import _fio, drop_files  # here: it imports this module
 
-    from ple.io import _uring
+    from ple.io.disk_table import _uring
 
     modes = ["ring", "threads"] if _uring.available() else ["threads"]
     if not _uring.available():
