@@ -554,11 +554,12 @@ def real_child(args) -> dict:
     table.drop_page_cache()
     timer = ReadTimer(table)
     tr = Trainer(disk)
-    times, reads, stats, anon = [], [], [], []
+    times, reads, stats, anon, trained = [], [], [], [], []
     for i in range(args.real_steps):
         b = make_batch(cfg, args, i, dtype)
         times.append(tr.step(b))
         anon.append(bdt.rss_anon())
+        trained.append(overlay_store(table).num_rows)
         reads.append(timer.snapshot())
         st = table.stats()
         stats.append((st["unique_rows"], st["hits"], st["rows_read"]))
@@ -605,11 +606,28 @@ def real_child(args) -> dict:
                       "step_working_bytes": working, "budget": budget.as_dict(), "bound": bound,
                       "within_bound": sampler.peak_anon <= bound,
                       "rss_anon_after_step": {f"{j + 1}": anon[j] for j in sorted({max(0, n * q // 4 - 1)
-                                                                                   for q in (1, 2, 3, 4)})}},
+                                                                                   for q in (1, 2, 3, 4)})},
+                      "growth": growth_between(trained, anon, GROWTH_MARKS)},
            "lookup_cold": lookup}
     table.close()
     shutil.rmtree(ov, ignore_errors=True)
     return out
+
+
+GROWTH_MARKS = (1_000_000, 4_000_000)
+"""Rows trained between which the growth of RssAnon per row is reported (the aim: at most 2 bytes a row)."""
+
+
+def growth_between(trained: list[int], anon: list[int], marks: tuple[int, int]) -> dict:
+    """RssAnon after the first step at which the overlay held at least each mark's rows, and the growth per row
+    trained between them (None where the run did not reach a mark)."""
+    at = [next((j for j, n in enumerate(trained) if n >= m), None) for m in marks]
+    if any(j is None for j in at):
+        return {"marks": list(marks), "bytes_per_row": None}
+    (j0, j1) = at
+    rows = trained[j1] - trained[j0]
+    return {"marks": list(marks), "steps": [j0 + 1, j1 + 1], "rows": [trained[j0], trained[j1]],
+            "rss_anon": [anon[j0], anon[j1]], "bytes_per_row": (anon[j1] - anon[j0]) / rows if rows else None}
 
 
 def step_working_memory(args, dtype: torch.dtype) -> tuple[int, int]:
@@ -861,7 +879,10 @@ def report(args, res: dict) -> str:
                   f"{k} {v / gib:.3f}" for k, v in m["budget"].items() if k != "total") + ") + layer parameters "
               f"{m['layer_params_bytes'] / gib:.3f} + a step's working memory {m['step_working_bytes'] / gib:.2f}, "
               f"measured on a small in-memory layer); RssAnon after steps " + ", ".join(
-                  f"{k}: {v / gib:.2f}" for k, v in m["rss_anon_after_step"].items()) + f" GiB; "
+                  f"{k}: {v / gib:.2f}" for k, v in m["rss_anon_after_step"].items()) + " GiB; "
+              + (f"growth {m['growth']['bytes_per_row']:.2f} B per row trained between {m['growth']['rows'][0]:,} and "
+                 f"{m['growth']['rows'][1]:,} rows (steps {m['growth']['steps'][0]} and {m['growth']['steps'][1]}); "
+                 if m.get("growth", {}).get("bytes_per_row") is not None else "") +
               f"VmHWM {m['vmhwm'] / gib:.2f} GiB, which also counts the "
               f"table's and the overlay's file pages mapped by the process (peak RssFile "
               f"{m['peak_rss_file'] / gib:.2f} GiB: page cache, given back under pressure).",
