@@ -8,16 +8,20 @@ base's elsewhere: what the trained layer's lookups return. Every other tensor an
 
 Streaming. The table is written as ``convert`` writes it (``ple.io.save.table_entries``), from a `MergedTable`:
 blocks of at most ``block_bytes`` (as float32) of the base, read in row order (``ple.io.load.table_blocks``),
-each with the overlay's rows of that block put in. The overlay is read *per block*, by id
-(`~ple.io.disk_table.overlay.OverlayStore.read` of the block's row range: a hash probe per row, then the rows
-of the hits),
-rather than walked in id order with ``items``: the writer asks for a block range more than once and not always
-in order (an FP8 target reads the table twice, once for its largest magnitude; an int8 target reads each shard
-once for its values and once for its scales), and a read by id answers any range directly, holding one block's
-rows of the overlay, where a cursor over ``items`` would restart from the first row each time. The probe costs
-about one memory access a row (measured: half the cost of casting a bfloat16 row of 160 values to float32). So
-memory is a few blocks, plus the overlay's index (the store's: a bit per table row and a fence per 128 of its
-rows on disk, ``ple.io.disk_table.overlay``); the whole table is never held.
+each with the overlay's rows of that block put in. The overlay's rows of a block are read by range
+(`~ple.io.disk_table.overlay.OverlayStore.read_range`): each segment's ids are sorted, so its rows in a block's
+range are one run of it, found by two searches through its fences and read at once; it costs the overlay's rows
+of the block, not the block's rows (a probe per table row cost a third of the merge's time). A range answers any
+block the writer asks for, in any order and more than once (an FP8 target reads the table twice, once for its
+largest magnitude; an int8 target reads each shard once for its values and once for its scales).
+
+Overlapped. The file is written as ``ple.io.writer.write_file`` writes a large one (``ple.io._pipeline``): the
+next block is made (the base read, the overlay's rows put in, the cast) in a thread of its own while the current
+one is written, and the disk writes each 16 MiB as it lands rather than all at the final fsync (docs/disk.md
+measures it against a cold copy of the base, what the disk allows a job that reads as much as it writes).
+Memory: two blocks
+and what making one needs, plus the overlay's index (the store's: a bit per table row and a fence per 128 of its
+rows on disk, ``ple.io.disk_table.overlay``); the whole table is never held (``merge_budget``).
 """
 
 from __future__ import annotations
@@ -88,12 +92,9 @@ class MergedTable(_TableSource):
             values = _floats(self.base, v, self.base.global_scale if s is None else s, self.dtype)
             if values is v:                             # a view of the file's (private) mapping: not written into
                 values = v.clone()
-            ids = torch.arange(lo, lo + values.shape[0])
-            hit, _ = self.store.read(ids, [])                            # which rows the overlay holds: no rows read
-            at = hit.nonzero().squeeze(1)
-            if at.numel():
-                _, got = self.store.read(ids.index_select(0, at), ["rows"])
-                values.index_copy_(0, at, got["rows"].to(self.dtype))
+            ids, got = self.store.read_range(lo, lo + values.shape[0], ["rows"])
+            if ids.numel():
+                values.index_copy_(0, ids - lo, got["rows"].to(self.dtype))
             yield values, None
 
 
@@ -132,7 +133,8 @@ def merge(path: CheckpointSource, overlay: str | os.PathLike[str], out: str | os
     ``out``: a ``.safetensors`` file or a directory, neither the base's folder nor an overlay's (a
     ``ValueError``). Each file is written under a temporary name, flushed to disk and renamed (``ple.io.save``),
     so a file at ``out`` is never half written; with ``overwrite=True`` the old checkpoint there is deleted
-    first. Memory: a few blocks (see the module docstring), never the whole table.
+    first. Memory: a few blocks (see the module docstring), never the whole table. Written overlapped: the next
+    block is made while one is written (see the module docstring).
 
     Returns a summary: ``files`` written, ``layers`` (prefixes), ``tables`` (each as written), and
     ``overlays``: per layer ``{"path", "rows", "generation", "dtype"}`` of the overlay merged, or None.

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 import ple
 import ple.io as pio
 from ple import PLEConfig
+from ple.io import _pipeline
 from ple.io.disk_table.overlay.store import OverlayStore
 from ple.io.disk_table.table import DiskTable
 from ple.io.disk_table.training import SAMPLE_ROWS, base_fingerprint
@@ -105,8 +106,14 @@ def trained(tmp_path_factory):
 
 
 # ---- the merged table ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("overlapped", [False, True], ids=["inline", "overlapped"])
 @pytest.mark.parametrize("name", ["whole", "sharded"])
-def test_merged_float_table_is_the_trained_layers_and_the_in_memory_trainings(trained, tmp_path, name):
+def test_merged_float_table_is_the_trained_layers_and_the_in_memory_trainings(trained, tmp_path, name, overlapped,
+                                                                             monkeypatch):
+    """(``overlapped``: the files written as a large one is, ``ple.io._pipeline``: the blocks made in a thread
+    of their own, one ahead of the one being written.)"""
+    if overlapped:
+        monkeypatch.setattr(_pipeline, "PIPELINE_BYTES", 0)
     base, overlay, rows = trained[name]
     if name == "sharded":
         assert len(Checkpoint.open(base).files) > 1

@@ -91,6 +91,20 @@ class Model:
                 want = torch.stack([self.rows[k][1][name] for k in known])
                 assert torch.equal(bits_of(states[name][:n]), bits_of(want)), name
         assert not rows[n:].any() and all(not v[n:].any() for v in states.values())
+        spans = [(-5, 2**62), (0, 0), (7, 3)]
+        if n:
+            spans += [(known[0], known[0] + 1), (known[n // 3], known[2 * n // 3]), (known[-1], known[-1] + 1),
+                      (known[n // 2] + 1, known[-1])]
+        for lo, hi in spans:                                   # read_range: the rows in [lo, hi), sorted
+            got_ids, got = store.read_range(lo, hi)
+            want_ids = [k for k in known if lo <= k < hi]
+            assert got_ids.tolist() == want_ids, (lo, hi)
+            want = [self.rows[k] for k in want_ids]
+            assert torch.equal(bits_of(got["rows"]), bits_of(torch.stack([w[0] for w in want])
+                                                             if want else got["rows"]))
+            for name in self.state:
+                assert torch.equal(bits_of(got[f"state.{name}"]), bits_of(torch.stack([w[1][name] for w in want])
+                                                                          if want else got[f"state.{name}"]))
         seen = []
         for chunk_ids, chunk_rows, chunk_states in store.items(chunk_rows=97):
             assert chunk_ids.numel() <= 97

@@ -23,8 +23,9 @@ disk (16 MB at 256M rows).
 
 ``merge`` (``ple.io.merge``) of the base and the overlay, in a process of its own or after the layer is
 closed: `merge_budget`, the overlay's index and constant (opened read only, nothing in memory) and
-``MERGE_BLOCKS`` blocks of ``block_bytes`` (the base's block as float32, the block put back in the output
-dtype, the overlay's rows of the block, the writer's buffer).
+``MERGE_BLOCKS`` blocks of ``block_bytes``: the block being written (in the output dtype) and the next one
+being made beside it (``ple.io._pipeline``: the base's block as float32, it put back in the output dtype, the
+overlay's rows of the block).
 
 Checked in a fresh process that trains a whole disk layer far past its overlay's budget, flushes and merges
 (tests/io/test_disk_memory.py).

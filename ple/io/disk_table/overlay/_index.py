@@ -185,6 +185,17 @@ def find_sorted(ids: torch.Tensor, fences: torch.Tensor, every: int, q: torch.Te
     return out
 
 
+def lower_bound(ids: torch.Tensor, fences: torch.Tensor, every: int, x: int) -> int:
+    """The first position of the sorted, distinct ``ids`` whose id is ``>= x`` (``ids.numel()`` where none is),
+    ``fences`` being ``ids[::every]``: the fences narrow it to ``every`` ids, the only ones read."""
+    j = int(torch.searchsorted(fences, torch.tensor([x], dtype=fences.dtype))[0])     # fences before x
+    lo = 0 if j == 0 else (j - 1) * every + 1            # ids[(j - 1) * every] < x <= ids[j * every]
+    hi = min(j * every, ids.numel())
+    if hi <= lo:
+        return hi
+    return lo + int(torch.searchsorted(ids[lo:hi].clone(), torch.tensor([x], dtype=ids.dtype))[0])
+
+
 def merge_sorted(runs: Sequence[torch.Tensor], chunk: int,
                  check: Callable[[], None] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The union of ``runs`` (each sorted and distinct, mapped or not), in id order, at most about ``chunk``
