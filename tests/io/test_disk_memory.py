@@ -124,10 +124,12 @@ def check(r: dict, times: float, max_growth: float) -> None:
 
 
 def test_a_disk_layer_trained_past_its_overlay_stays_within_its_budget(tmp_path):
-    """1.8M table rows, a 2 MiB overlay (about 19k rows) and 0.2M rows trained; a 2 MiB row cache."""
-    r = run_child(tmp_path, 300_000, cache_bytes=2 << 20, overlay_bytes=2 << 20, tokens=2048, steps=16,
+    """1.8M table rows, a 2 MiB overlay (about 19k rows) and 0.42M rows trained; a 2 MiB row cache. (The growth is
+    measured over the last 230k rows: the allocator's own drift, about 1 MB however many rows, stays under the
+    8 bytes a row allowed there; at 16 steps and 80k rows it did not, 1 run in 4.)"""
+    r = run_child(tmp_path, 300_000, cache_bytes=2 << 20, overlay_bytes=2 << 20, tokens=2048, steps=40,
                   block_bytes=4 << 20)
-    check(r, times=5, max_growth=8.0)
+    check(r, times=15, max_growth=8.0)
 
 
 @pytest.mark.deep
