@@ -495,6 +495,35 @@ def copy_rate(files: list[Path], out: Path) -> float:
     return n / seconds / 1e9
 
 
+def fio_read_write(base: Path, out: Path, nbytes: int) -> dict:
+    """What this disk gives a sequential reader and a sequential writer (fio, buffered, 1 MiB blocks, as the merge
+    reads and writes), each alone and both at once: the reader on the base's largest file (its pages dropped
+    first), the writer on a new file of ``nbytes`` (fsynced at the end; deleted after). GB/s; {} without fio."""
+    if shutil.which("fio") is None:
+        return {}
+    read = ["--name=read", f"--filename={base}", "--rw=read", "--bs=1m", "--ioengine=psync", "--invalidate=1"]
+    write = ["--name=write", f"--filename={out}", "--rw=write", "--bs=1m", "--ioengine=psync",
+             f"--size={nbytes}", "--end_fsync=1"]
+
+    def run(*jobs: list[str]) -> dict:
+        os.sync()
+        drop_files([base])
+        done = subprocess.run(["fio", "--output-format=json", *[a for job in jobs for a in job]],
+                              capture_output=True, text=True, check=False)
+        out.unlink(missing_ok=True)
+        if done.returncode:
+            raise RuntimeError(done.stderr.strip()[-500:] or done.stdout.strip()[-500:])
+        got = json.loads(done.stdout[done.stdout.index("{"):])["jobs"]
+        return {j["jobname"]: j[j["jobname"]]["bw_bytes"] / 1e9 for j in got}
+
+    alone_r, alone_w, both = run(read), run(write), run(read, write)
+    res = {"read_alone": alone_r["read"], "write_alone": alone_w["write"], "read_together": both["read"],
+           "write_together": both["write"]}
+    print("fio, buffered 1 MiB: read alone {read_alone:.2f}, write alone {write_alone:.2f}, at once: read "
+          "{read_together:.2f} + write {write_together:.2f} GB/s".format(**res), flush=True)
+    return res
+
+
 def _spot_check(path: Path, ov: Path, out_dir: Path, dtype: torch.dtype) -> bool:
     """The merged table against the base read through the overlay, on 512 overlay rows and 512 others."""
     merged = pio.load_layer(out_dir, backend="torch", dtype=dtype, offload="disk", cache_bytes=0)
@@ -524,6 +553,9 @@ def merge_part(args, path: Path, ov: Path, dtype: torch.dtype) -> dict:
     in_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     res: dict[str, Any] = {"checkpoint_bytes_in": in_bytes, "overlay_bytes_in": dir_bytes(ov), "bar": MERGE_BAR,
                            "rounds": []}
+    res["fio_read_write"] = {} if args.no_fio else fio_read_write(max(path.glob("*.safetensors"),
+                                                                      key=lambda f: f.stat().st_size),
+                                                                  Path(args.dir) / "fio-write.dat", in_bytes)
     last = write_rate(probe, in_bytes)
     for r in range(max(1, args.merge_rounds)):
         shutil.rmtree(out_dir, ignore_errors=True)
@@ -889,6 +921,12 @@ def report(args, res: dict) -> str:
             L.append(f"| median | {mg['seconds']:.2f} | {mg['gb_per_s_out']:.2f} | | "
                      f"**{mg['ratio_to_write']:.2f}** (aim {mg['bar']}) | {mg['copy']:.2f} | "
                      f"**{mg['ratio_to_copy']:.2f}** |")
+            rw = mg.get("fio_read_write") or {}
+            if rw:
+                L += ["", f"fio on the same disk, buffered, 1 MiB blocks (the base's file read, a new file written "
+                      f"and fsynced): a reader alone {rw['read_alone']:.2f} GB/s, a writer alone "
+                      f"{rw['write_alone']:.2f}; both at once {rw['read_together']:.2f} + "
+                      f"{rw['write_together']:.2f} GB/s."]
             L += ["", f"Merged rows spot-checked against the overlay and the base: "
                   f"{'equal' if mg['spot_check_equal'] else 'DIFFERENT'}.", ""]
     rl = res.get("real")

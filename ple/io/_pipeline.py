@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import os
 import threading
 from collections.abc import Callable, Generator, Iterable
 from typing import Any, TypeVar
@@ -66,10 +67,14 @@ def ahead(items: Iterable[T]) -> Generator[T, None, None]:
     memory is the caller's item and one more (and what making it needs). An exception raised making an item is
     raised here, in the caller, when it reaches that item (the same exception object: its type and message
     as ``items`` gave them). Closing this iterator early (``break``, an exception in the caller) stops the
-    thread after the item it is making, and closes ``items`` there. The thread makes items under
-    ``torch.no_grad()`` (grad mode is per thread; an item to be written needs no graph).
+    thread after the item it is making, and closes ``items`` there (an exception its closing raises is
+    dropped). The thread makes items under ``torch.no_grad()`` (grad mode is per thread; an item to be
+    written needs no graph) and on the caller's current CUDA stream (streams are per thread too).
     """
     source = iter(items)
+    # The caller's CUDA stream, made the thread's current one (streams are per thread): a producer's copy off
+    # the GPU is ordered after the caller's work on it, as it would be in the caller's thread.
+    stream = torch.cuda.current_stream() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
     cond = threading.Condition()
     box: list[tuple[str, Any]] = []              # at most one: ("item", x), ("end", None) or ("error", exc)
     state = {"stop": False}
@@ -87,7 +92,7 @@ def ahead(items: Iterable[T]) -> Generator[T, None, None]:
 
     def run() -> None:
         try:
-            with torch.no_grad():
+            with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 for x in source:
                     if not hand("item", x):
                         return
@@ -126,8 +131,9 @@ class WriteBack:
 
     ``wrote(end)`` after the bytes ``[0, end)`` are written: starts the disk writing what is new since the
     last call, and waits until the bytes before ``end - lag`` are on the disk. ``active`` is False where the
-    system has no ``sync_file_range`` (then nothing is done). Errors of the calls are left to the final
-    ``fsync``, which reports a failed write (as it would have without this).
+    system has no ``sync_file_range`` (then nothing is done). A failed call is an ``OSError`` here, at once:
+    a wait that finds a failed write (no space, an I/O error) reports it once per open file, so the final
+    ``fsync`` would not see it again, and the file would be renamed into place damaged.
     """
 
     def __init__(self, fd: int, lag: int = WRITE_LAG) -> None:
@@ -138,12 +144,17 @@ class WriteBack:
     def wrote(self, end: int) -> None:
         if not self.active or end <= self.started:
             return
-        _SYNC_RANGE(self.fd, self.started, end - self.started, _WRITE)   # type: ignore[misc]
+        self._call(self.started, end - self.started, _WRITE)
         self.started = end
         target = end - self.lag
         if target > self.waited:
-            _SYNC_RANGE(self.fd, self.waited, target - self.waited, _WAIT)   # type: ignore[misc]
+            self._call(self.waited, target - self.waited, _WAIT)
             self.waited = target
+
+    def _call(self, offset: int, nbytes: int, flags: int) -> None:
+        if _SYNC_RANGE is not None and _SYNC_RANGE(self.fd, offset, nbytes, flags) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"writing bytes [{offset}, {offset + nbytes}) to disk failed: {os.strerror(err)}")
 
 
 def write_chunks(write: Callable[[memoryview], int | None], data: memoryview, back: WriteBack | None,

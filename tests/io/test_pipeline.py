@@ -9,6 +9,8 @@ that was there before, whole.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 import signal
 import subprocess
@@ -188,6 +190,46 @@ def test_overlapped_write_file_errors(tmp_path, monkeypatch):
                                                 Entry("t1", torch.float32, (2,), lambda: iter([torch.ones(2)]))])
     kept.append(info)
     assert sorted(p.name for p in tmp_path.iterdir()) == [] and not _pipeline_threads()
+
+
+def test_a_write_failing_at_the_disk_is_an_error_and_the_old_file_stays(tmp_path, monkeypatch):
+    """A write the disk refused (no space: found by `WriteBack`'s wait, which reports it once per open file, so
+    the final fsync would not) is an ``OSError`` from write_file; the file at the path is the old one."""
+    path = tmp_path / "x.safetensors"
+    write_file(path, [Entry("t", torch.float32, (4,), lambda: iter([torch.arange(4.0)]))])
+    calls = []
+
+    def refuse(fd, off, n, flags):
+        calls.append(flags)
+        if flags == _pipeline._WAIT:
+            ctypes.set_errno(errno.ENOSPC)
+            return -1
+        return 0
+
+    monkeypatch.setattr(_pipeline, "PIPELINE_BYTES", 0)
+    monkeypatch.setattr(_pipeline, "WRITE_CHUNK", 64)
+    monkeypatch.setattr(_pipeline, "_SYNC_RANGE", refuse)
+    monkeypatch.setattr(_pipeline.WriteBack.__init__, "__defaults__", (256,))          # lag 256 bytes
+    with pytest.raises(OSError) as info:
+        write_file(path, [Entry("t", torch.float32, (4096,), lambda: iter(torch.ones(4096).split(512)))])
+    assert info.value.errno == errno.ENOSPC and _pipeline._WAIT in calls
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.safetensors"] and not _pipeline_threads()
+    assert_bitwise_equal(load_file(str(path))["t"], torch.arange(4.0))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_blocks_are_made_on_the_callers_cuda_stream():
+    side = torch.cuda.Stream()
+    seen = []
+
+    def source():
+        for _ in range(3):
+            seen.append(torch.cuda.current_stream())
+            yield 0
+
+    with torch.cuda.stream(side):
+        list(ahead(source()))
+    assert seen == [side] * 3
 
 
 CHILD = """
