@@ -399,3 +399,22 @@ def reads_not_counted(monkeypatch, mode, most_rows: int, what: str) -> None:
             mode.paused = False
     monkeypatch.setattr(reads, "pread_rows", read)
     monkeypatch.setattr(disk, "pread_rows", read)
+
+
+def random_entries(data, dtypes: Sequence[torch.dtype], max_dim: int) -> tuple[dict[str, torch.Tensor], list]:
+    """Up to 5 tensors of random dtypes (of ``dtypes``) and shapes (up to 3 dims of ``0..max_dim``), each as a
+    writer ``Entry`` producing it in blocks of a drawn size (Hypothesis ``data``): ``(tensors, entries)``."""
+    from hypothesis import strategies as st
+
+    from ple.io.writer import Entry
+
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
+    tensors, entries = {}, []
+    for i in range(data.draw(st.integers(1, 5))):
+        dt = data.draw(st.sampled_from(dtypes))
+        shape = tuple(data.draw(st.lists(st.integers(0, max_dim), max_size=3)))
+        t = (torch.randn(shape, generator=gen) * 4).to(dt)
+        blocks = [t] if t.dim() == 0 else list(torch.split(t, data.draw(st.integers(1, 4)))) or [t]
+        tensors[f"t{i}"] = t
+        entries.append(Entry(f"t{i}", dt, shape, lambda b=blocks: iter(b)))
+    return tensors, entries

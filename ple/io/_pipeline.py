@@ -34,8 +34,8 @@ __all__ = ["ahead", "WriteBack", "write_chunks", "PIPELINE_BYTES", "WRITE_CHUNK"
 T = TypeVar("T")
 
 PIPELINE_BYTES = 32 << 20
-"""Tensors (and files) at least this large are written through the overlap; smaller ones inline (a thread costs
-more than it saves there). Tests set it to 0 to run every write through it."""
+"""Files at least this large are written through the overlap; smaller ones inline (a thread costs more than it
+saves there). Tests set it to 0 to run every write through it."""
 
 WRITE_CHUNK = 16 << 20
 """The writer copies a block into the page cache in pieces this size, starting each one's writeback as it lands."""
@@ -158,14 +158,12 @@ class WriteBack:
 
 
 def write_chunks(write: Callable[[memoryview], int | None], data: memoryview, back: WriteBack | None,
-                 at: int) -> int:
+                 at: int) -> None:
     """Write ``data`` (a byte view) with ``write`` in `WRITE_CHUNK` pieces, telling ``back`` after each (the
-    file's first ``at`` bytes were written before); returns the file's written length after it."""
-    n = len(data)
-    for a in range(0, n, WRITE_CHUNK):
+    file's first ``at`` bytes were written before)."""
+    for a in range(0, len(data), WRITE_CHUNK):
         piece = data[a:a + WRITE_CHUNK]
         write(piece)
         at += len(piece)
         if back is not None:
             back.wrote(at)
-    return at

@@ -19,9 +19,9 @@ Overlapped. The file is written as ``ple.io.writer.write_file`` writes a large o
 next block is made (the base read, the overlay's rows put in, the cast) in a thread of its own while the current
 one is written, and the disk writes each 16 MiB as it lands rather than all at the final fsync (docs/disk.md
 measures it against a cold copy of the base, what the disk allows a job that reads as much as it writes).
-Memory: two blocks
-and what making one needs, plus the overlay's index (the store's: a bit per table row and a fence per 128 of its
-rows on disk, ``ple.io.disk_table.overlay``); the whole table is never held (``merge_budget``).
+Memory: two blocks and what making one needs, plus the overlay's index (the store's: a bit per table row and a
+fence per 128 of its rows on disk, ``ple.io.disk_table.overlay``); the whole table is never held
+(``merge_budget``).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from _helpers import random_entries
 from hypothesis import given, note, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
@@ -15,7 +16,7 @@ from safetensors.torch import load_file, save_file
 import ple.io as pio
 from ple import PLEConfig, PLELayer
 from ple.__main__ import main
-from ple.io.files import Checkpoint, Entry, write_file
+from ple.io.files import Checkpoint, write_file
 from ple.io.layout import shard_rows
 from ple.quant import dequantize, error_bound, quantize
 from ple.table import QuantizedTable
@@ -343,16 +344,7 @@ def test_streaming_writer_matches_safetensors(tmp_path_factory, data):
     """write_file (blocks of any size) gives files safetensors reads back exactly, in every dtype."""
     dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8, torch.int64,
               torch.uint8, torch.bool]
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
-    tensors_, entries = {}, []
-    for i in range(data.draw(st.integers(1, 5))):
-        dt = data.draw(st.sampled_from(dtypes))
-        shape = tuple(data.draw(st.lists(st.integers(0, 6), max_size=3)))
-        t = (torch.randn(shape, generator=gen) * 4).to(dt)
-        n = data.draw(st.integers(1, 4))
-        blocks = [t] if t.dim() == 0 else list(torch.split(t, n)) or [t]
-        tensors_[f"t{i}"] = t
-        entries.append(Entry(f"t{i}", dt, shape, lambda b=blocks: iter(b)))
+    tensors_, entries = random_entries(data, dtypes, max_dim=6)
     path = tmp_path_factory.mktemp("w") / "x.safetensors"
     write_file(path, entries, {"k": "v"})
     back = load_file(str(path))

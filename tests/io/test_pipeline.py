@@ -22,6 +22,7 @@ from unittest import mock
 
 import pytest
 import torch
+from _helpers import random_entries
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
@@ -138,15 +139,7 @@ def test_overlapped_write_file_matches_safetensors(tmp_path_factory, data):
     """Every file through the overlap (``PIPELINE_BYTES`` 0, small write pieces): safetensors reads it back
     exactly, and the writeback was started over the whole of it."""
     dtypes = [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int64, torch.bool]
-    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1)))
-    tensors, entries = {}, []
-    for i in range(data.draw(st.integers(1, 5))):
-        dt = data.draw(st.sampled_from(dtypes))
-        shape = tuple(data.draw(st.lists(st.integers(0, 9), max_size=3)))
-        t = (torch.randn(shape, generator=gen) * 4).to(dt)
-        blocks = [t] if t.dim() == 0 else list(torch.split(t, data.draw(st.integers(1, 4)))) or [t]
-        tensors[f"t{i}"] = t
-        entries.append(Entry(f"t{i}", dt, shape, lambda b=blocks: iter(b)))
+    tensors, entries = random_entries(data, dtypes, max_dim=9)
     path = tmp_path_factory.mktemp("w") / "x.safetensors"
     started = []
     real = _pipeline._SYNC_RANGE

@@ -196,6 +196,21 @@ def lower_bound(ids: torch.Tensor, fences: torch.Tensor, every: int, x: int) -> 
     return lo + int(torch.searchsorted(ids[lo:hi].clone(), torch.tensor([x], dtype=ids.dtype))[0])
 
 
+def newest_of(found: Sequence[tuple[torch.Tensor, int, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    """``(ids, source, rows)`` from runs ``(ids sorted, source, rows)`` given oldest source first: sorted by id,
+    each id once, from the newest source holding it (a stable sort keeps equal ids oldest first; the last kept)."""
+    ids = torch.cat([f[0] for f in found])
+    src = torch.cat([torch.full((f[0].numel(),), f[1], dtype=torch.int64) for f in found])
+    rows = torch.cat([f[2] for f in found])
+    if len(found) > 1:
+        ids, order = torch.sort(ids, stable=True)
+        src, rows = src.index_select(0, order), rows.index_select(0, order)
+        last = torch.ones_like(ids, dtype=torch.bool)
+        last[:-1] = ids[1:] != ids[:-1]
+        ids, src, rows = ids[last], src[last], rows[last]
+    return ids, src, rows
+
+
 def merge_sorted(runs: Sequence[torch.Tensor], chunk: int,
                  check: Callable[[], None] | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The union of ``runs`` (each sorted and distinct, mapped or not), in id order, at most about ``chunk``

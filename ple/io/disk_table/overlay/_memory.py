@@ -32,6 +32,16 @@ class MemoryRows(SegmentFiles):
         """(The store's: a ``ValueError`` where it is closed, or read only and ``write``.)"""
         raise NotImplementedError
 
+    def _held_between(self, start: int, stop: int, source: int) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+        """``[(ids sorted, source, slots)]`` of the rows in memory with ids in ``[start, stop)`` (none: ``[]``)."""
+        held = (self._slot_id[: self._used] >= 0).nonzero().squeeze(1)
+        ids = self._slot_id.index_select(0, held)
+        inside = ((ids >= start) & (ids < stop)).nonzero().squeeze(1)
+        if not inside.numel():
+            return []
+        ids, order = torch.sort(ids.index_select(0, inside))            # slots are in no order
+        return [(ids, source, held.index_select(0, inside).index_select(0, order))]
+
     def _reset_memory(self) -> None:
         """The budget's slots, unallocated (`_take` allocates them at once, when the first row comes)."""
         self.capacity = self._memory_bytes // (self.layout.row_bytes + self.slot_overhead)

@@ -14,7 +14,7 @@ import torch
 from ..mapped import read_rows
 from . import _files as ofiles
 from ._files import Segment
-from ._index import IdBitmap, fences_of, find_sorted, merge_sorted
+from ._index import IdBitmap, fences_of, find_sorted, lower_bound, merge_sorted
 
 if TYPE_CHECKING:
     from ._files import Layout
@@ -62,6 +62,19 @@ class SegmentFiles:
         if ids.numel():
             raise RuntimeError(f"overlay: {self.directory}: ids {ids[:8].tolist()} are marked on disk but no "
                                f"segment holds them (a bug)")
+
+    def _runs_between(self, segs: list[Segment], start: int,
+                      stop: int) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+        """``(ids, k, rows)`` of each segment ``segs[k]`` holding ids in ``[start, stop)``: one run of its sorted
+        ids, found by two searches through its fences (`lower_bound`)."""
+        found = []
+        for k, seg in enumerate(segs):
+            seg.check()
+            a = lower_bound(seg.ids, seg.fences, self.fence_every, start)
+            b = max(a, lower_bound(seg.ids, seg.fences, self.fence_every, stop))
+            if b > a:
+                found.append((seg.ids[a:b].clone(), k, torch.arange(a, b)))
+        return found
 
     def _read_from(self, seg: Segment, rows: torch.Tensor, pos: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
         """``out[key][pos] = `` segment ``seg``'s values of rows ``rows``."""

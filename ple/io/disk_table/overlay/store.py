@@ -68,11 +68,12 @@ from typing import Any
 
 import torch
 
+from .... import _checks
 from ...writer import fsync_dir
 from .._heap import release_freed
 from . import _files as ofiles
 from ._files import DirLock, Layout
-from ._index import IdBitmap, lower_bound, merge_sorted
+from ._index import IdBitmap, merge_sorted, newest_of
 from ._memory import MemoryRows
 
 __all__ = ["OverlayStore", "SLOT_OVERHEAD", "MAX_SEGMENTS", "FENCE_EVERY", "CHUNK_BYTES", "FIXED_BYTES",
@@ -296,50 +297,33 @@ class OverlayStore(MemoryRows):
         ``ple.io.merge`` reads, block by block of the table.
         """
         self._check_open()
-        for name, v in (("start", start), ("stop", stop)):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name}: expected an int, got {type(v).__name__}")
+        start, stop = _checks.int_arg("start", start), _checks.int_arg("stop", stop)
         fields = {k: (dt, s) for k, dt, s in self.layout.fields}
         keys = list(fields if keys is None else keys)
         for k in keys:
             if k not in fields:
                 raise ValueError(f"keys: {k!r} is not a field of this overlay (its fields: {list(fields)})")
-        segs = list(self._segments.values())             # oldest first
-        found: list[tuple[torch.Tensor, int, torch.Tensor]] = []      # (ids, source: segment or memory, rows)
-        for rank, seg in enumerate(segs):
-            seg.check()
-            a = lower_bound(seg.ids, seg.fences, self.fence_every, start)
-            b = max(a, lower_bound(seg.ids, seg.fences, self.fence_every, stop))
-            if b > a:
-                found.append((seg.ids[a:b].clone(), rank, torch.arange(a, b)))
-        held = (self._slot_id[: self._used] >= 0).nonzero().squeeze(1)
-        mem_ids = self._slot_id.index_select(0, held)
-        inside = ((mem_ids >= start) & (mem_ids < stop)).nonzero().squeeze(1)
-        if inside.numel():                               # slots are in no order: sorted by id
-            got, order = torch.sort(mem_ids.index_select(0, inside))
-            found.append((got, len(segs), held.index_select(0, inside).index_select(0, order)))
+        segs = list(self._segments.values())             # oldest first; the rows in memory are newer
+        found = self._runs_between(segs, start, stop) + self._held_between(start, stop, len(segs))
         if not found:
             return torch.empty(0, dtype=torch.int64), {k: torch.empty((0, *fields[k][1]), dtype=fields[k][0])
                                                        for k in keys}
-        ids = torch.cat([f[0] for f in found])
-        src = torch.cat([torch.full((f[0].numel(),), f[1], dtype=torch.int64) for f in found])
-        rows = torch.cat([f[2] for f in found])
-        if len(found) > 1:                               # newest last among equal ids (a stable sort), kept
-            ids, order = torch.sort(ids, stable=True)
-            src, rows = src.index_select(0, order), rows.index_select(0, order)
-            last = torch.ones_like(ids, dtype=torch.bool)
-            last[:-1] = ids[1:] != ids[:-1]
-            ids, src, rows = ids[last], src[last], rows[last]
+        ids, src, rows = newest_of(found)
         out = {k: torch.empty((ids.numel(), *fields[k][1]), dtype=fields[k][0]) for k in keys}
-        for rank in torch.unique(src).tolist():
-            sel = (src == rank).nonzero().squeeze(1)
-            if rank < len(segs):
-                self._read_from(segs[rank], rows.index_select(0, sel), sel, out)
+        self._gather(out, segs, src, rows)
+        return ids, out
+
+    def _gather(self, out: dict[str, torch.Tensor], segs: list, which: torch.Tensor, rows: torch.Tensor) -> None:
+        """``out[key][i] = `` the value of row ``rows[i]`` of ``segs[which[i]]``, or of memory slot ``rows[i]``
+        where ``which[i] == len(segs)``."""
+        for i in torch.unique(which).tolist():
+            sel = (which == i).nonzero().squeeze(1)
+            if i < len(segs):
+                self._read_from(segs[i], rows.index_select(0, sel), sel, out)
             else:
                 slots = rows.index_select(0, sel)
                 for k, o in out.items():
                     o.index_copy_(0, sel, self._mem[k].index_select(0, slots))
-        return ids, out
 
     def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hit [n] bool, rows [n, dim])``: the overlay's rows of ``ids`` (zeros where it has none)."""
@@ -369,14 +353,9 @@ class OverlayStore(MemoryRows):
 
         def emit(ids: torch.Tensor, which: torch.Tensor, rows: torch.Tensor):
             out = {k: torch.empty((ids.numel(), *s), dtype=dt) for k, dt, s in self.layout.fields}
-            for i in torch.unique(which).tolist():
-                sel = (which == i).nonzero().squeeze(1)
-                if i < len(segs):
-                    self._read_from(segs[i], rows[sel], sel, out)
-                else:
-                    slots = mem_slots.index_select(0, rows[sel])
-                    for k, o in out.items():
-                        o.index_copy_(0, sel, self._mem[k].index_select(0, slots))
+            mem = (which == len(segs)).nonzero().squeeze(1)              # positions in mem_ids -> slots
+            rows = rows.index_copy(0, mem, mem_slots.index_select(0, rows.index_select(0, mem)))
+            self._gather(out, segs, which, rows)
             return ids, out.pop("rows"), {k.removeprefix("state."): v for k, v in out.items()}
 
         pending = [torch.empty(0, dtype=torch.int64) for _ in range(3)]
