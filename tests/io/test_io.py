@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 import ple.io as pio
 from ple import PLEConfig, PLELayer
 from ple.__main__ import main
-from ple.io.files import Checkpoint, write_file
+from ple.io.files import Checkpoint, Entry, write_file
 from ple.io.layout import shard_rows
 from ple.quant import dequantize, error_bound, quantize
 from ple.table import QuantizedTable
@@ -352,6 +352,16 @@ def test_streaming_writer_matches_safetensors(tmp_path_factory, data):
         assert f.metadata() == {"k": "v"}
     for k, t in tensors_.items():
         assert_bitwise_equal(back[k], t, name=k)
+
+
+def test_the_same_tensors_and_metadata_make_the_same_bytes(tmp_path):
+    """The metadata's order does not change the file: a merge or convert reads the base's metadata through
+    safetensors, which gives it in a different order in each process, and its output stays byte for byte."""
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    meta = {f"key{i}": str(i) for i in range(8)}
+    for name, m in (("a", meta), ("b", dict(reversed(list(meta.items()))))):
+        write_file(tmp_path / f"{name}.safetensors", [Entry("t", t.dtype, tuple(t.shape), lambda: iter([t]))], m)
+    assert (tmp_path / "a.safetensors").read_bytes() == (tmp_path / "b.safetensors").read_bytes()
 
 
 # ---- CLI --------------------------------------------------------------------------------------------------
