@@ -32,6 +32,7 @@ import pytest
 import torch
 from _overlay_helpers import Crash, FaultInjector, check_flush_order, watched_child
 
+from ple.io.disk_table.overlay import _files as ofiles
 from ple.io.disk_table.overlay._files import LOCK, MANIFEST
 from ple.io.disk_table.overlay.store import SLOT_OVERHEAD, OverlayStore
 
@@ -412,10 +413,15 @@ DAMAGE = ["truncate", "append", "delete", "header", "ids", "rows", "state.exp_av
           "manifest", "manifest-truncated"]
 
 
+@pytest.mark.parametrize("reads", ["preadv", "pread"])
 @pytest.mark.parametrize("damage", DAMAGE)
-def test_damaged_file_named(tmp_path, damage):
+def test_damaged_file_named(tmp_path, damage, reads, monkeypatch):
     """A missing, truncated or altered file is a ValueError naming it, at open or before any row of it is
-    returned; never a crash or a wrong row."""
+    returned; never a crash or a wrong row. The checksums read 7 bytes at a time into one buffer (a file's
+    parts end mid-buffer), through ``os.preadv`` or, where it is missing, ``os.pread``."""
+    monkeypatch.setattr(ofiles, "_READ", 7)
+    if reads == "pread":
+        monkeypatch.delattr(os, "preadv", raising=False)
     d = tmp_path / "ov"
     model = _two_flushes(d, 5, torch.arange(200), torch.arange(150, 170))
     segs = sorted(manifest_files(d))
@@ -439,6 +445,20 @@ def test_damaged_file_named(tmp_path, damage):
         with open_store(d) as store:
             model.check(store)
             store.verify()
+
+
+@pytest.mark.parametrize("reads", ["preadv", "pread"])
+def test_an_intact_overlay_passes_its_checksums_read_in_pieces(tmp_path, reads, monkeypatch):
+    """The checksums read 7 bytes at a time (a part's last piece short, the buffer holding the previous one's
+    bytes past it) match on an intact overlay, through either read."""
+    monkeypatch.setattr(ofiles, "_READ", 7)
+    if reads == "pread":
+        monkeypatch.delattr(os, "preadv", raising=False)
+    d = tmp_path / "ov"
+    model = _two_flushes(d, 5, torch.arange(200), torch.arange(150, 170))
+    with open_store(d) as store:
+        store.verify()
+        model.check(store)
 
 
 def test_damage_found_after_open(tmp_path):

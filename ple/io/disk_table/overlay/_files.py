@@ -48,7 +48,16 @@ FORMAT = "ple.overlay"
 VERSION = 1
 _SEGMENT_RE = re.compile(r"seg-\d+\.safetensors")
 _ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
-_READ = 16 << 20                # bytes read at a time when checksumming
+_READ = 4 << 20                 # bytes read at a time when checksumming, into one buffer
+
+
+def _pread_into(fd: int, view: memoryview, offset: int) -> int:
+    """Read into ``view`` from ``offset`` (``os.preadv``; ``os.pread`` and a copy where it is missing)."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [view], offset)
+    chunk = os.pread(fd, len(view), offset)
+    view[: len(chunk)] = chunk
+    return len(chunk)
 
 
 def segment_name(serial: int) -> str:
@@ -245,12 +254,13 @@ class Segment:
         return self.views["ids"]
 
     def _check_crc(self, fd: int, key: str, begin: int, end: int) -> None:
-        crc = 0
-        while begin < end:
-            chunk = os.pread(fd, min(_READ, end - begin), begin)
-            if not chunk:
+        crc, buf = 0, bytearray(min(_READ, max(end - begin, 0)))
+        view = memoryview(buf)
+        while begin < end:                               # one buffer reused: no heap freed and kept per read
+            n = _pread_into(fd, view[: min(len(buf), end - begin)], begin)
+            if not n:
                 raise ValueError(f"overlay: {self.path} ends at byte {begin}, before its {key} (truncated)")
-            crc, begin = zlib.crc32(chunk, crc), begin + len(chunk)
+            crc, begin = zlib.crc32(view[:n], crc), begin + n
         if crc != int(self.info["crc32"][key]):
             raise ValueError(f"overlay: {self.path}: the bytes of its {key} do not match the checksum in the "
                              f"overlay's manifest (damaged or changed since written)")

@@ -44,7 +44,7 @@ class SegmentFiles:
     # ---- finding and reading ------------------------------------------------------------------------------
     def _attach(self, seg: Segment) -> None:
         """Index a segment: its fences (checking its ids sorted and distinct), and its ids in the bitmap."""
-        seg.fences = fences_of(seg.ids, self.fence_every, self._chunk_rows * 8, seg.check, str(seg.path),
+        seg.fences = fences_of(seg.ids, self.fence_every, self._chunk_rows, seg.check, str(seg.path),
                                self._on_disk.add)
 
     def _find_disk(self, ids: torch.Tensor, pos: torch.Tensor, out: dict[str, torch.Tensor]) -> None:

@@ -101,7 +101,8 @@ FIXED_BYTES = 64 << 20
 ``CHUNK_BYTES`` of chunks in flight (a merge's ids, sources and positions, the rows read and written), the
 bookkeeping of up to ``MAX_SEGMENTS`` segments, and what the C allocator keeps of freed temporaries (glibc serves
 blocks up to 32 MiB from its heap once such blocks were freed, and keeps them; the store hands whole free pages back
-after each spill and flush, ``ple.io.disk_table._heap``, so what it keeps does not pile up). The caller's tensors (a
+after each spill and flush and after it opens and verifies, ``ple.io.disk_table._heap``, so what it keeps does not
+pile up, nor sit in one thread's heap while another allocates). The caller's tensors (a
 step's ids and rows) are not counted. Checked: tests/io/test_overlay_memory.py."""
 
 MEMORY_CONSTANTS = {"SLOT_OVERHEAD": SLOT_OVERHEAD, "FENCE_EVERY": FENCE_EVERY, "CHUNK_BYTES": CHUNK_BYTES,
@@ -235,6 +236,7 @@ class OverlayStore(MemoryRows):
             self._attach(seg)
         if any("live" not in info for info in body["segments"]):     # a manifest of an earlier version
             self._count_live()
+        release_freed()                                  # the ids' chunks streamed: heap back to the kernel
 
     def close(self) -> None:
         """Release the directory. Updates since the last `flush` are dropped (their spill files deleted)."""
@@ -373,6 +375,7 @@ class OverlayStore(MemoryRows):
         for seg in self._segments.values():
             seg.check_head()
             seg.verify()
+        release_freed()                                  # the checksums' reads: heap back to the kernel
 
     # ---- updating (`update` and the memory slots: ``_memory``) ----------------------------------
     def flush(self, meta: dict[str, Any] | None = None) -> None:
