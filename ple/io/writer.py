@@ -105,7 +105,7 @@ def write_file(path: str | os.PathLike[str], entries: list[Entry], metadata: dic
     if metadata:
         # Sorted: the same file, byte for byte, whatever order the metadata came in (safetensors' own reader
         # gives a file's metadata in a different order in each process).
-        header["__metadata__"] = {str(k): str(v) for k, v in sorted(metadata.items(), key=lambda kv: str(kv[0]))}
+        header["__metadata__"] = dict(sorted((str(k), str(v)) for k, v in metadata.items()))
     offset = 0
     for e in entries:
         if e.dtype not in _ST_NAMES:

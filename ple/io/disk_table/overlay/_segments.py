@@ -93,7 +93,7 @@ class SegmentFiles:
         seg = Segment(self.directory, info, self.layout, serial, durable=False, trusted=True)
         self._segments[serial] = seg
         try:
-            seg.fences = fences_of(seg.ids, self.fence_every, self._chunk_rows * 8, seg.check, str(seg.path))
+            seg.fences = fences_of(seg.ids, self.fence_every, self._chunk_rows, seg.check, str(seg.path))
         except BaseException:
             del self._segments[serial]
             seg.close()
